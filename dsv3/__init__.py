@@ -1,0 +1,1 @@
+"""dsv3: a small, fast, pure-PyTorch DeepSeek-V3 pretraining trainer."""

@@ -1,0 +1,171 @@
+"""DeepSeekMoE (paper §2.1.2): the group-limited router with aux-loss-free bias balancing, shared experts,
+routed experts as stacked weights run by one grouped GEMM, and the sequence-wise balance loss (§2.1.2, eq. 17-20).
+
+Tokens reach the routed experts through a *dispatcher*, the one seam for distribution: `LocalDispatcher`
+sorts this process's tokens by expert; `dsv3.parallel` hands in an all-to-all one, `dsv3.deepep` a DeepEP one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv3.config import ModelConfig
+
+
+class Routing(NamedTuple):
+    topk_idx: torch.Tensor  # [T, K] int64 expert ids
+    topk_weights: torch.Tensor  # [T, K] fp32 gate weights g_i
+    scores: torch.Tensor  # [T, E] fp32 unbiased affinities s_i
+
+
+class Router(nn.Module):
+    """s = σ(x·Wᵀ) (or softmax); selection on s + b; gate weights from the unbiased s."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts = cfg.n_routed_experts
+        self.topk = cfg.n_activated_experts
+        self.n_groups = cfg.n_expert_groups
+        self.topk_groups = cfg.n_limited_groups
+        self.score_func = cfg.score_func
+        self.route_norm = cfg.route_norm
+        self.route_scale = cfg.route_scale
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim))
+        # b: steers selection only, learned by the sign rule in `update_expert_bias`, never by gradients.
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        logits = F.linear(x.float(), self.weight.float())  # [T, E], fp32 router math
+        scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
+        biased = scores.detach() + self.expert_bias  # [T, E]
+        if self.n_groups > 1:
+            grouped = biased.view(-1, self.n_groups, self.n_experts // self.n_groups)  # [T, G, E/G]
+            group_scores = grouped.topk(min(2, grouped.size(-1)), dim=-1).values.sum(dim=-1)  # [T, G]
+            top_groups = group_scores.topk(self.topk_groups, dim=-1).indices  # [T, G_lim]
+            group_mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, False)
+            # -inf, not 0: with a negative bias a 0-filled masked group could still win.
+            biased = grouped.masked_fill(group_mask.unsqueeze(-1), float("-inf")).flatten(1)
+        topk_idx = biased.topk(self.topk, dim=-1).indices  # [T, K]
+        topk_weights = scores.gather(1, topk_idx)  # unbiased s at the chosen experts
+        if self.route_norm:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        return Routing(topk_idx, topk_weights * self.route_scale, scores)
+
+
+class LocalDispatcher:
+    """All experts live in this process: sort token copies by expert, and undo it after the experts.
+
+    Interface shared by every dispatcher:
+      dispatch(x [T, D], topk_idx [T, K], topk_weights [T, K], tokens_per_expert [E] of these tokens)
+          -> (expert_x [N, D] grouped by local expert, tokens_per_local_expert [E_local] int64, ctx)
+      combine(expert_y [N, D], ctx) -> y [T, D] = Σ_k g_k · expert_y of token t's k-th copy
+    """
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 tokens_per_expert: torch.Tensor):
+        order = topk_idx.flatten().argsort(stable=True)  # token copies sorted by expert
+        expert_x = x[order // topk_idx.size(1)]
+        return expert_x, tokens_per_expert, (order, topk_weights)
+
+    def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
+        order, topk_weights = ctx
+        y = torch.empty_like(expert_y).index_copy_(0, order, expert_y)  # back to [T*K] token order
+        y = y.view(*topk_weights.shape, -1)  # [T, K, D]
+        return torch.bmm(topk_weights.unsqueeze(1).to(y.dtype), y).squeeze(1)  # Σ_k g_k y_k
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as stacked weights; one grouped GEMM per projection, no loop over experts."""
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int):
+        super().__init__()
+        self.inter_dim = inter_dim
+        # gate (w1) and up (w3) fused so one grouped GEMM reads the tokens once
+        self.w13 = nn.Parameter(torch.empty(n_experts, 2 * inter_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x [N, dim] sorted by expert; tokens_per_expert [E] on device (zeros allowed)."""
+        offsets = tokens_per_expert.cumsum(0).to(torch.int32)  # group ends, as _grouped_mm wants
+        gate_up = grouped_mm(x, self.w13.transpose(-2, -1), offsets)  # [N, 2I]
+        gate, up = gate_up.split(self.inter_dim, dim=-1)
+        return grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offsets)  # [N, dim]
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [N, K] rows grouped by expert, w [E, K, M] → [N, M]. Kept as the single place the routed-expert
+    GEMM is issued, so `dsv3.quant` can swap the low-precision kernel in."""
+    return torch._grouped_mm(x, w.to(x.dtype), offs=offsets)
+
+
+class MLP(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, inter_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, inter_dim, bias=False)
+        self.w2 = nn.Linear(inter_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, inter_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoEOutput(NamedTuple):
+    y: torch.Tensor  # [B, S, D]
+    tokens_per_expert: torch.Tensor  # [E] int64, counted once per real forward
+    balance_loss: torch.Tensor  # scalar, Σ_i f_i P_i averaged over sequences (α is applied by the trainer)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts = cfg.n_routed_experts
+        self.topk = cfg.n_activated_experts
+        self.score_func = cfg.score_func
+        self.gate = Router(cfg)
+        self.experts = GroupedExperts(cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim)
+        self.shared_experts = (MLP(cfg.dim, cfg.n_shared_experts * cfg.moe_inter_dim)
+                               if cfg.n_shared_experts else None)
+        self.dispatcher = LocalDispatcher()  # replaced from outside for expert parallelism
+
+    def forward(self, x: torch.Tensor) -> MoEOutput:
+        B, S, D = x.shape
+        x_flat = x.view(-1, D)
+        routing = self.gate(x_flat)
+        flat_idx = routing.topk_idx.flatten()
+        tokens_per_expert = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)
+        tokens_per_expert.scatter_add_(0, flat_idx, torch.ones_like(flat_idx))  # no host sync, unlike bincount
+        expert_x, local_tokens_per_expert, ctx = self.dispatcher.dispatch(
+            x_flat, routing.topk_idx, routing.topk_weights, tokens_per_expert)
+        expert_y = self.experts(expert_x, local_tokens_per_expert)
+        shared = self.shared_experts(x_flat) if self.shared_experts is not None else None
+        y = self.dispatcher.combine(expert_y, ctx)
+        if shared is not None:
+            y = y + shared
+        balance = sequence_balance_loss(routing.scores.view(B, S, -1), routing.topk_idx.view(B, S, -1), self.topk)
+        # Counts are an output, not module state: activation-checkpoint recomputation cannot double them.
+        return MoEOutput(y.view(B, S, D), tokens_per_expert, balance)
+
+
+def sequence_balance_loss(scores: torch.Tensor, topk_idx: torch.Tensor, topk: int) -> torch.Tensor:
+    """L_bal = Σ_i f_i P_i per sequence (eq. 17-20), mean over sequences.
+    f_i = E/(K·T)·count_i, P_i = mean_t s'_i,t with s' = s normalised over experts per token."""
+    B, T, E = scores.shape
+    counts = torch.zeros(B, E, device=scores.device, dtype=scores.dtype)
+    counts.scatter_add_(1, topk_idx.view(B, -1), torch.ones_like(topk_idx.view(B, -1), dtype=scores.dtype))
+    f = counts * E / (topk * T)  # [B, E]
+    p = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)  # [B, E]
+    return (f * p).sum(dim=-1).mean()
+
+
+@torch.no_grad()
+def update_expert_bias(routers: list[Router], tokens_per_expert: torch.Tensor, speed: float) -> None:
+    """Aux-loss-free balancing (eq. 16 ff.): b_i += γ·sign(mean load − load_i), after the optimizer step.
+    `tokens_per_expert` [n_routers, E] must already be summed over the global batch (all ranks)."""
+    for router, load in zip(routers, tokens_per_expert.float(), strict=True):
+        router.expert_bias += speed * torch.sign(load.mean() - load)
