@@ -1,0 +1,149 @@
+"""Tokenizer and the packed-sequence loader over token shards written by scripts/prepare_data.py.
+
+On disk, `DIR/{train,val}/` holds `shard_NNNNN.bin` (raw uint16/uint32 token ids, documents separated
+by EOS) and an `index.json` naming the shards in order with their token counts. The loader sees the
+shards as one stream of N tokens cut into (N - 1) // seq_len sequences of seq_len + 1 tokens.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+import torch
+
+
+class Tokenizer:
+    """A sentencepiece model; ids are plain ints, no BOS/EOS added by encode."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"tokenizer {path} not found; train one with `python scripts/train_tokenizer.py`"
+            )
+        self.path = path
+        self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        self.vocab_size: int = self.sp.get_piece_size()
+        self.eos_id: int = self.sp.eos_id()
+        self.bos_id: int = self.sp.bos_id()
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
+        return self.sp.encode(texts, num_threads=num_threads)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.sp.decode(list(ids))
+
+
+def read_index(split_dir: str | Path) -> dict:
+    index_path = Path(split_dir) / "index.json"
+    if not index_path.is_file():
+        raise FileNotFoundError(
+            f"no token shards at {index_path}; write them with `python scripts/prepare_data.py`"
+        )
+    return json.loads(index_path.read_text())
+
+
+class PackedLoader:
+    """Fixed-length sequences from the packed token stream, in a seeded global order.
+
+    The position (`sequences_consumed`) counts sequences of the global order, so a state saved at one
+    world size resumes at another with the same global batches; each rank takes its contiguous rows.
+    """
+
+    def __init__(
+        self,
+        data_dir: str,
+        split: str,
+        seq_len: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+    ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        index = read_index(Path(data_dir) / split)
+        split_dir = Path(data_dir) / split
+        self.seq_len, self.rank, self.world_size = seq_len, rank, world_size
+        self.seed, self.shuffle = seed, shuffle
+        self.vocab_size: int = index["vocab_size"]
+        self.eos_id: int = index["eos_id"]
+        # memmap only: shards can be far larger than RAM.
+        self.shards = [
+            np.memmap(split_dir / s["file"], dtype=index["dtype"], mode="r", shape=(s["tokens"],))
+            for s in index["shards"]
+            if s["tokens"] > 0
+        ]
+        self.shard_starts = np.cumsum([0] + [len(s) for s in self.shards])  # [n_shards + 1]
+        n_tokens = int(self.shard_starts[-1])
+        self.num_sequences = (n_tokens - 1) // seq_len
+        if self.num_sequences < 1:
+            raise ValueError(
+                f"{split_dir} has {n_tokens} tokens, fewer than one sequence of seq_len + 1 = "
+                f"{seq_len + 1}; use a shorter seq_len or more data"
+            )
+        self.sequences_consumed = 0
+        self._order_epoch, self._order = -1, torch.empty(0, dtype=torch.long)
+
+    def _order_for(self, epoch: int) -> torch.Tensor:
+        if epoch != self._order_epoch:
+            n = self.num_sequences
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(self.seed + epoch)
+                self._order = torch.randperm(n, generator=generator)
+            else:
+                self._order = torch.arange(n)
+            self._order_epoch = epoch
+        return self._order
+
+    def _tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the concatenated stream, stitched across shard boundaries."""
+        first = int(np.searchsorted(self.shard_starts, start, side="right")) - 1
+        pieces = []
+        while start < stop:
+            offset = start - int(self.shard_starts[first])
+            take = min(stop - start, len(self.shards[first]) - offset)
+            pieces.append(self.shards[first][offset : offset + take])
+            start += take
+            first += 1
+        return np.concatenate(pieces)
+
+    def next_batch(self, global_batch: int) -> torch.Tensor:
+        """Next `global_batch` sequences of the global order; this rank's rows. [global_batch // world, seq_len + 1]"""
+        if global_batch % self.world_size:
+            raise ValueError(
+                f"global_batch {global_batch} is not divisible by world_size {self.world_size}"
+            )
+        local = global_batch // self.world_size
+        first = self.sequences_consumed + self.rank * local
+        rows = []
+        for position in range(first, first + local):
+            epoch, i = divmod(position, self.num_sequences)
+            seq = int(self._order_for(epoch)[i])
+            rows.append(self._tokens(seq * self.seq_len, seq * self.seq_len + self.seq_len + 1))
+        self.sequences_consumed += global_batch
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+    def state_dict(self) -> dict:
+        return {
+            "sequences_consumed": self.sequences_consumed,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "num_sequences": self.num_sequences,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        # A different seq_len or dataset would silently replay other data; refuse instead.
+        for key in ("seq_len", "num_sequences"):
+            if key in state and int(state[key]) != getattr(self, key):
+                raise ValueError(
+                    f"loader state has {key}={int(state[key])} but this loader has "
+                    f"{getattr(self, key)}; resume with the same data and seq_len"
+                )
+        self.sequences_consumed = int(state["sequences_consumed"])
+        self.seed = int(state["seed"])
+        self._order_epoch = -1

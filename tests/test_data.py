@@ -1,0 +1,204 @@
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import scripts.prepare_data as prepare_data
+from dsv3.data import PackedLoader, Tokenizer
+from scripts.prepare_data import prepare
+
+TOKENIZER = str(Path(__file__).resolve().parents[1] / "data" / "tokenizer.model")
+DOCS = [
+    f"def f{i}(x):\n    return x * {i}  # café ünïcode ✓ 数据 {i}\n" + "word " * (i % 7) for i in range(40)
+]
+
+
+def write_txt(root: Path, docs: list[str]) -> Path:
+    root.mkdir(parents=True)
+    for i, doc in enumerate(docs):
+        (root / f"doc_{i:03d}.txt").write_text(doc, encoding="utf-8")
+    return root
+
+
+def prepared(tmp_path: Path, **kwargs) -> Path:
+    out = tmp_path / "tokens"
+    prepare([str(write_txt(tmp_path / "txt", DOCS))], TOKENIZER, str(out), progress=False, **kwargs)
+    return out
+
+
+def read_stream(split_dir: Path) -> np.ndarray:
+    index = json.loads((split_dir / "index.json").read_text())
+    return np.concatenate([np.fromfile(split_dir / s["file"], dtype=index["dtype"]) for s in index["shards"]])
+
+
+def test_tokenizer_round_trips_ascii_and_unicode():
+    tok = Tokenizer(TOKENIZER)
+    assert tok.vocab_size == 4096
+    assert len({tok.eos_id, tok.bos_id}) == 2
+    texts = ["def main():\n    return 42\n", "  trailing  spaces\t\ttabs\n\n", "naïve café — 数据 🚀 Ωμέγα"]
+    for text in texts:
+        ids = tok.encode(text)
+        assert tok.eos_id not in ids and tok.bos_id not in ids
+        assert tok.decode(ids) == text
+
+
+def test_txt_jsonl_parquet_give_identical_token_streams(tmp_path):
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(DOCS)))
+    parquet = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"content": DOCS}), parquet, row_group_size=7)
+    sources = {
+        "txt": dict(inputs=[str(write_txt(tmp_path / "txt", DOCS))]),
+        "jsonl": dict(inputs=[str(jsonl)], text_key="body"),
+        "parquet": dict(inputs=[str(parquet)], column="content"),
+    }
+    streams = {}
+    for name, source in sources.items():
+        out = tmp_path / name / "tokens"
+        prepare(tokenizer_path=TOKENIZER, out_dir=str(out), progress=False, **source)
+        streams[name] = [read_stream(out / "train"), read_stream(out / "val")]
+    for split in range(2):
+        np.testing.assert_array_equal(streams["txt"][split], streams["jsonl"][split])
+        np.testing.assert_array_equal(streams["txt"][split], streams["parquet"][split])
+
+
+def test_every_document_ends_with_eos_and_decodes_back(tmp_path):
+    out = prepared(tmp_path, val_fraction=0)
+    tok = Tokenizer(TOKENIZER)
+    stream = read_stream(out / "train").tolist()
+    assert stream[-1] == tok.eos_id
+    ends = [i for i, t in enumerate(stream) if t == tok.eos_id]
+    starts = [0] + [e + 1 for e in ends[:-1]]
+    assert [tok.decode(stream[a:b]) for a, b in zip(starts, ends)] == DOCS
+
+
+def test_small_shard_tokens_writes_several_shards_and_loader_stitches_them(tmp_path):
+    out = prepared(tmp_path, shard_tokens=100)
+    index = json.loads((out / "train" / "index.json").read_text())
+    assert len(index["shards"]) > 3
+    assert all(s["tokens"] <= 100 for s in index["shards"]) and index["dtype"] == "uint16"
+    stream = read_stream(out / "train")
+    seq_len = 37  # not a divisor of 100: sequences straddle shard boundaries
+    loader = PackedLoader(str(out), "train", seq_len, shuffle=False)
+    assert loader.num_sequences == (len(stream) - 1) // seq_len
+    batch = loader.next_batch(loader.num_sequences)
+    expected = np.stack([stream[i * seq_len : i * seq_len + seq_len + 1] for i in range(loader.num_sequences)])
+    assert batch.dtype == torch.long and batch.shape == (loader.num_sequences, seq_len + 1)
+    np.testing.assert_array_equal(batch.numpy(), expected)
+
+
+def test_val_split_is_non_empty_and_disjoint_from_train(tmp_path):
+    out = prepared(tmp_path)
+    train, val = (json.loads((out / s / "index.json").read_text()) for s in ("train", "val"))
+    assert val["num_documents"] >= 1 and val["num_tokens"] > 0
+    assert train["num_documents"] + val["num_documents"] == len(DOCS)
+    two = tmp_path / "two"
+    prepare([str(write_txt(tmp_path / "two_docs", DOCS[:2]))], TOKENIZER, str(two), progress=False)
+    assert json.loads((two / "val" / "index.json").read_text())["num_documents"] == 1
+
+
+def test_loader_resume_is_exact(tmp_path):
+    out = prepared(tmp_path)
+    uninterrupted = PackedLoader(str(out), "train", 16, seed=3)
+    assert uninterrupted.num_sequences % 6  # so some batches straddle an epoch boundary
+    batches = [uninterrupted.next_batch(6) for _ in range(3 * uninterrupted.num_sequences // 6)]
+    k = len(batches) // 2 + 1
+    first = PackedLoader(str(out), "train", 16, seed=3)
+    for _ in range(k):
+        first.next_batch(6)
+    resumed = PackedLoader(str(out), "train", 16, seed=99)  # the seed comes from the state
+    resumed.load_state_dict(first.state_dict())
+    for expected in batches[k:]:
+        torch.testing.assert_close(resumed.next_batch(6), expected)
+
+
+def test_epochs_are_fresh_permutations_of_all_sequences(tmp_path):
+    out = prepared(tmp_path)
+    loader = PackedLoader(str(out), "train", 16, seed=0)
+    n = loader.num_sequences
+    epochs = [loader.next_batch(n) for _ in range(2)]
+    in_order = PackedLoader(str(out), "train", 16, shuffle=False).next_batch(n)
+    for epoch in epochs:
+        assert sorted(map(tuple, epoch.tolist())) == sorted(map(tuple, in_order.tolist()))
+    assert not torch.equal(epochs[0], epochs[1])
+
+
+def test_rank_slices_concatenate_to_the_single_process_batch(tmp_path):
+    out = prepared(tmp_path)
+    single = PackedLoader(str(out), "train", 16, seed=1)
+    four = [PackedLoader(str(out), "train", 16, rank=r, world_size=4, seed=1) for r in range(4)]
+    for _ in range(3):
+        batch = single.next_batch(8)
+        slices = [loader.next_batch(8) for loader in four]
+        assert all(s.shape == (2, 17) for s in slices)
+        torch.testing.assert_close(torch.cat(slices), batch)
+    # resharded resume: a 4-rank state continues on 2 ranks with the same global batches
+    two = [PackedLoader(str(out), "train", 16, rank=r, world_size=2, seed=1) for r in range(2)]
+    for loader in two:
+        loader.load_state_dict(four[0].state_dict())
+    for _ in range(2 * single.num_sequences // 8):
+        torch.testing.assert_close(torch.cat([loader.next_batch(8) for loader in two]), single.next_batch(8))
+
+
+def test_global_batch_must_divide_by_world_size(tmp_path):
+    loader = PackedLoader(str(prepared(tmp_path)), "train", 16, rank=1, world_size=3)
+    with pytest.raises(ValueError, match="not divisible by world_size 3"):
+        loader.next_batch(8)
+
+
+def test_empty_corpus_is_a_clear_error(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit, match="no .txt, .jsonl or .parquet files"):
+        prepare([str(empty)], TOKENIZER, str(tmp_path / "out"), progress=False)
+    (empty / "blank.txt").write_text("")
+    with pytest.raises(SystemExit, match="no non-empty documents"):
+        prepare([str(empty)], TOKENIZER, str(tmp_path / "out"), progress=False)
+
+
+def test_missing_jsonl_key_or_parquet_column_is_a_clear_error(tmp_path):
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text(json.dumps({"body": "hello"}) + "\n")
+    with pytest.raises(SystemExit, match="no key 'text'.*--text-key"):
+        prepare([str(jsonl)], TOKENIZER, str(tmp_path / "out"), progress=False)
+    parquet = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"content": ["hello"]}), parquet)
+    with pytest.raises(SystemExit, match="no column 'text'.*--column"):
+        prepare([str(parquet)], TOKENIZER, str(tmp_path / "out"), progress=False)
+
+
+def test_uint16_shards_refuse_a_vocab_over_65535(tmp_path, monkeypatch):
+    class BigTokenizer(Tokenizer):
+        def __init__(self, path):
+            super().__init__(path)
+            self.vocab_size = 100_000
+
+    monkeypatch.setattr(prepare_data, "Tokenizer", BigTokenizer)
+    docs = [str(write_txt(tmp_path / "txt", DOCS))]
+    with pytest.raises(SystemExit, match="vocab 100000 does not fit in uint16"):
+        prepare(docs, TOKENIZER, str(tmp_path / "out"), dtype="uint16", progress=False)
+    prepare(docs, TOKENIZER, str(tmp_path / "out"), progress=False)  # the default picks uint32
+    assert json.loads((tmp_path / "out" / "train" / "index.json").read_text())["dtype"] == "uint32"
+    assert PackedLoader(str(tmp_path / "out"), "train", 16).next_batch(2).shape == (2, 17)
+
+
+def test_missing_tokenizer_names_the_script_that_trains_one(tmp_path):
+    with pytest.raises(FileNotFoundError, match="scripts/train_tokenizer.py"):
+        Tokenizer(tmp_path / "nope.model")
+    with pytest.raises(SystemExit, match="scripts/train_tokenizer.py"):
+        prepare([str(write_txt(tmp_path / "txt", DOCS))], str(tmp_path / "nope.model"), str(tmp_path / "out"))
+
+
+def test_missing_data_dir_names_the_script_that_writes_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="scripts/prepare_data.py"):
+        PackedLoader(str(tmp_path / "nowhere"), "train", 16)
+
+
+def test_dataset_shorter_than_one_sequence_is_a_clear_error(tmp_path):
+    out = prepared(tmp_path)
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        PackedLoader(str(out), "val", 10_000)
