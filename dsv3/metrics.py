@@ -1,0 +1,205 @@
+"""Training metrics: FLOPs per token, MFU, expert-load stats, memory, and the logger that writes them
+(metrics.jsonl, one console line per log step, W&B when enabled).
+
+Metric keys the console line knows (others go to jsonl/W&B only): `loss`, `mtp_loss`, `balance_loss`, `lr`,
+`grad_norm`, `tokens_per_s` (all GPUs together), `mfu` (a fraction, printed as %), `memory/peak_allocated_gib`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import netrc
+import os
+import time
+
+import torch
+
+from dsv3.config import ModelConfig
+
+
+def active_matmul_params(cfg: ModelConfig) -> int:
+    """N_matmul_active: the matmul weights one token passes through (forward), embedding lookup excluded.
+
+    Per layer: MLA projections (wq or wq_a+wq_b, wkv_a, wkv_b, wo) + a dense SwiGLU (3·d·inter) or the MoE
+    (shared experts 3·d·n_shared·moe_inter, top-k routed experts K·3·d·moe_inter, router d·E).
+    Output head d·vocab. Each MTP depth adds eh_proj (2d·d), one MoE block and the head once more
+    (the shared head is applied again to its hidden states)."""
+    d, H = cfg.dim, cfg.n_heads
+    if cfg.q_lora_rank:
+        q = d * cfg.q_lora_rank + cfg.q_lora_rank * H * cfg.qk_head_dim
+    else:
+        q = d * H * cfg.qk_head_dim
+    attn = (q + d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            + cfg.kv_lora_rank * H * (cfg.qk_nope_head_dim + cfg.v_head_dim) + H * cfg.v_head_dim * d)
+    dense_mlp = 3 * d * cfg.inter_dim
+    moe = 3 * d * cfg.moe_inter_dim * (cfg.n_shared_experts + cfg.n_activated_experts) + d * cfg.n_routed_experts
+    head = d * cfg.vocab_size
+    n_moe = cfg.n_layers - cfg.n_dense_layers
+    # MTP blocks have layer ids >= n_layers >= n_dense_layers, so they are always MoE blocks.
+    mtp = 2 * d * d + attn + moe + head
+    return cfg.n_layers * attn + cfg.n_dense_layers * dense_mlp + n_moe * moe + head + cfg.n_mtp_layers * mtp
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training (forward + backward) FLOPs per token:
+
+        6·N_matmul_active + 3·L·H·(d_n + d_r + d_v)·S,   L = n_layers + n_mtp_layers
+
+    6·N: 2 FLOPs per multiply-add forward, 4 backward. The second term is the attention scores q·k
+    (d_n+d_r per head) and the weighted sum of v (d_v): 2·S·d forward per token and head, halved because
+    causal attention computes only half the S×S scores, times 3 for forward + backward. MTP blocks count
+    (they run attention too; depth k sees S-k positions, counted as S). Anchor: the 16B flavor cut to
+    4 layers (1 dense + 3 MoE, no MTP) at S = 4096 gives 3.49 GFLOP/token (tests/test_metrics.py)."""
+    n_attention_layers = cfg.n_layers + cfg.n_mtp_layers
+    attention = 3 * n_attention_layers * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len
+    return float(6 * active_matmul_params(cfg) + attention)
+
+
+# Dense (no sparsity) bf16 tensor-core peak per GPU, from the vendors' datasheets. Matched in order by
+# case-insensitive substring of torch.cuda.get_device_name(), so a more specific name comes first:
+# "GB200" contains "B200", "H100 PCIe" contains "H100", "L40S" contains "L4", "H200" contains "H20".
+_PEAK_BF16_FLOPS: list[tuple[str, float]] = [
+    ("GB300", 2.5e15), ("B300", 2.25e15), ("GB200", 2.5e15), ("B200", 2.25e15), ("B100", 1.75e15),
+    ("H200 NVL", 835e12), ("H200", 989e12),  # also GH200
+    ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),  # "H100 80GB HBM3" is the SXM part
+    ("H800 PCIe", 756e12), ("H800", 989e12), ("H20", 148e12),
+    ("A100", 312e12), ("A800", 312e12),
+    ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12),
+    ("RTX 5090", 209.5e12), ("RTX 4090", 165.2e12), ("RTX 3090", 71e12),  # bf16 with fp32 accumulate
+    ("MI355X", 2.5e15), ("MI325X", 1.307e15), ("MI300X", 1.307e15),
+]
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Peak dense bf16 FLOP/s of one device, or None when unknown (CPU, unlisted GPU): then no MFU."""
+    name = device_name.lower()
+    for key, flops in _PEAK_BF16_FLOPS:
+        if key.lower() in name:
+            return flops
+    return None
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, n_gpus: int, peak: float) -> float:
+    """Model FLOPs utilisation, a fraction: achieved FLOP/s over n_gpus·peak. tokens_per_s counts all GPUs."""
+    return flops_per_token * tokens_per_s / (n_gpus * peak)
+
+
+def expert_load_stats(tokens_per_expert: torch.Tensor,
+                      expert_biases: list[torch.Tensor] | torch.Tensor) -> dict[str, float]:
+    """Load balance and expert-bias stats per MoE layer.
+
+    tokens_per_expert [L, E] (rows in `Transformer.routers()` order: dense layers skipped, MTP blocks last;
+    layer{i} names the row), expert_biases one [E] per row or [L, E]. max/mean load is 1.0 when perfectly
+    balanced; `moe/load_max_over_mean` is the worst layer. bias_std is the population std."""
+    if tokens_per_expert.numel() == 0:  # no MoE layers
+        return {}
+    load = tokens_per_expert.detach().float().cpu()  # [L, E]
+    bias = expert_biases if isinstance(expert_biases, torch.Tensor) else torch.stack(list(expert_biases))
+    bias = bias.detach().float().cpu()  # [L, E]
+    ratio = (load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-9)).tolist()
+    rows = zip(ratio, bias.min(dim=1).values.tolist(), bias.max(dim=1).values.tolist(),
+               bias.std(dim=1, correction=0).tolist())
+    stats = {}
+    for i, (r, b_min, b_max, b_std) in enumerate(rows):
+        stats[f"moe/layer{i}/load_max_over_mean"] = r
+        stats[f"moe/layer{i}/bias_min"] = b_min
+        stats[f"moe/layer{i}/bias_max"] = b_max
+        stats[f"moe/layer{i}/bias_std"] = b_std
+    stats["moe/load_max_over_mean"] = max(ratio)
+    return stats
+
+
+def memory_stats() -> dict[str, float]:
+    """Peak allocated CUDA memory of this process since start (GiB); {} without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    return {"memory/peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def _wandb_mode() -> str | None:
+    """'offline' when the user chose no WANDB_MODE and no API key is configured (env or ~/.netrc);
+    else None, leaving the mode to wandb. Without this, wandb would stop to ask for a login."""
+    if "WANDB_MODE" in os.environ or os.environ.get("WANDB_API_KEY"):
+        return None
+    try:
+        if netrc.netrc().authenticators("api.wandb.ai"):
+            return None
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return "offline"
+
+
+def _console_line(step: int, m: dict[str, float], total_steps: int | None, eta_s: float | None) -> str:
+    parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
+    losses = [f"{label} {m[key]:{fmt}}" for key, label, fmt in
+              (("loss", "loss", ".3f"), ("mtp_loss", "mtp", ".3f"), ("balance_loss", "bal", ".3g")) if key in m]
+    if losses:
+        parts.append(" ".join(losses))
+    if "lr" in m:
+        parts.append(f"lr {m['lr']:.1e}")
+    if "grad_norm" in m:
+        parts.append(f"gnorm {m['grad_norm']:.2f}")
+    if "tokens_per_s" in m:
+        tps = m["tokens_per_s"]
+        text = f"{tps / 1e6:.2f}M" if tps >= 1e6 else f"{tps / 1e3:.1f}k" if tps >= 1e3 else f"{tps:.0f}"
+        parts.append(f"{text} tok/s")
+    if "mfu" in m:
+        parts.append(f"mfu {100 * m['mfu']:.1f}%")
+    if "memory/peak_allocated_gib" in m:
+        parts.append(f"mem {m['memory/peak_allocated_gib']:.1f} GiB")
+    if eta_s is not None:
+        parts.append(f"eta {datetime.timedelta(seconds=round(eta_s))}")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Appends one JSON line per `log` to run_dir/metrics.jsonl, prints one console line, logs to W&B
+    when use_wandb. enabled=False (non-zero ranks) makes every method a no-op. The ETA uses the step
+    rate between the last two `log` calls, so the first call shows none."""
+
+    def __init__(self, run_dir: str, config: dict, enabled: bool = True, use_wandb: bool = False,
+                 project: str = "dsv3", run_name: str = "", total_steps: int | None = None):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self._last: tuple[int, float] | None = None  # (step, time) of the previous log call
+        self._wandb = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        if use_wandb:
+            try:
+                import wandb  # imported here: runs without W&B must not need it installed
+            except ImportError as e:
+                raise ImportError("W&B logging is on (log.wandb = true) but wandb is not installed: "
+                                  "pip install wandb, or turn it off with --log.wandb=false") from e
+            mode = _wandb_mode()
+            if mode == "offline":
+                print(f"W&B: no API key configured (WANDB_API_KEY or ~/.netrc), logging offline under "
+                      f"{run_dir}/wandb; upload later with `wandb sync`", flush=True)
+            self._wandb = wandb.init(project=project, name=run_name or None, config=config, dir=run_dir, mode=mode)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        eta_s = None
+        if self.total_steps and self._last is not None and step > self._last[0]:
+            last_step, last_time = self._last
+            eta_s = max(self.total_steps - step, 0) * (now - last_time) / (step - last_step)
+        self._last = (step, now)
+        values = {key: float(value) for key, value in metrics.items()}
+        self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
+        self._jsonl.flush()  # readable while training runs, and complete up to a crash
+        print(_console_line(step, values, self.total_steps, eta_s), flush=True)
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        self.enabled = False

@@ -1,0 +1,187 @@
+import dataclasses
+import glob
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsv3.config import FLAVORS
+from dsv3.metrics import (MetricsLogger, _wandb_mode, active_matmul_params, expert_load_stats, flops_per_token,
+                          mfu, peak_flops)
+from dsv3.model import Transformer
+
+
+def test_16b_cut_to_4_layers_is_3_49_gflop_per_token():
+    # the anchor from the issue tracker: 1 dense + 3 MoE layers, no MTP, S = 4096
+    cfg = dataclasses.replace(FLAVORS["16B"], n_layers=4, n_dense_layers=1, n_mtp_layers=0)
+    assert flops_per_token(cfg, 4096) == pytest.approx(3.49e9, rel=0.01)
+
+
+@pytest.mark.parametrize("flavor", ["debug", "671B"])  # debug: q_lora + MTP; 671B: q_lora, 3 dense layers, MTP
+def test_active_params_match_the_model_weights(flavor):
+    cfg = FLAVORS[flavor]
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = 0.0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or name == "embed.weight":  # norms; the embedding is a lookup
+            continue
+        share = cfg.n_activated_experts / cfg.n_routed_experts if ".experts." in name else 1.0
+        expected += p.numel() * share
+    expected += cfg.n_mtp_layers * model.head.weight.numel()  # the head runs again at each MTP depth
+    assert active_matmul_params(cfg) == expected
+
+
+def test_flops_grow_with_seq_len_by_exactly_the_attention_term():
+    cfg = FLAVORS["671B"]
+    L = cfg.n_layers + cfg.n_mtp_layers
+    per_extra_position = 3 * L * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    assert flops_per_token(cfg, 8192) - flops_per_token(cfg, 4096) == per_extra_position * 4096
+    assert flops_per_token(cfg, 4096) == 6 * active_matmul_params(cfg) + per_extra_position * 4096
+
+
+def test_mfu_is_achieved_over_peak():
+    # 1e9 FLOP/token at 400k tok/s on 8 GPUs of 1e14 FLOP/s: 4e14 / 8e14
+    assert mfu(1e9, 4e5, 8, 1e14) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA H200", 989e12), ("NVIDIA GH200 480GB", 989e12), ("NVIDIA B200", 2.25e15), ("NVIDIA GB200", 2.5e15),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GeForce RTX 4090", 165.2e12), ("NVIDIA L40S", 362e12),
+    ("NVIDIA L4", 121e12), ("NVIDIA H20", 148e12),
+])
+def test_peak_flops_by_device_name(name, peak):
+    assert peak_flops(name) == peak
+
+
+def test_unknown_device_has_no_peak():
+    assert peak_flops("cpu") is None
+    assert peak_flops("Tesla K80") is None
+
+
+def test_expert_load_stats_on_a_hand_made_load():
+    tokens_per_expert = torch.tensor([[4, 4, 4, 4], [10, 2, 2, 2]])  # balanced; one expert at 2.5x mean
+    biases = [torch.tensor([0.0, 0.0, 0.0, 0.0]), torch.tensor([-0.003, 0.001, 0.001, 0.001])]
+    stats = expert_load_stats(tokens_per_expert, biases)
+    assert stats["moe/layer0/load_max_over_mean"] == 1.0
+    assert stats["moe/layer1/load_max_over_mean"] == pytest.approx(2.5)
+    assert stats["moe/load_max_over_mean"] == pytest.approx(2.5)
+    assert stats["moe/layer1/bias_min"] == pytest.approx(-0.003)
+    assert stats["moe/layer1/bias_max"] == pytest.approx(0.001)
+    assert stats["moe/layer1/bias_std"] == pytest.approx(3e-6 ** 0.5)  # mean 0, variance (9 + 3·1)e-6 / 4
+    assert stats["moe/layer0/bias_std"] == 0.0
+    assert expert_load_stats(torch.stack(biases), torch.stack(biases)).keys() == stats.keys()  # [L, E] biases
+    assert expert_load_stats(torch.zeros(0, 0), []) == {}  # a model without MoE layers
+
+
+def test_log_appends_parseable_jsonl_lines(tmp_path):
+    logger = MetricsLogger(str(tmp_path), {}, total_steps=100)
+    logger.log(10, {"loss": 5.5, "lr": 3e-4, "moe/load_max_over_mean": 1.7})
+    logger.log(20, {"loss": torch.tensor(5.25)})
+    logger.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"step": 10, "loss": 5.5, "lr": 3e-4, "moe/load_max_over_mean": 1.7}, {"step": 20, "loss": 5.25}]
+
+
+def test_console_line_shows_the_logged_values(tmp_path, capsys):
+    logger = MetricsLogger(str(tmp_path), {}, total_steps=1000)
+    full = {"loss": 5.1234, "mtp_loss": 5.4, "balance_loss": 1.02, "lr": 3e-4, "grad_norm": 0.912,
+            "tokens_per_s": 12345.0, "mfu": 0.312, "memory/peak_allocated_gib": 42.13}
+    logger.log(110, full)
+    logger.log(120, full)
+    logger.close()
+    first, second = capsys.readouterr().out.splitlines()
+    assert first == ("step 110/1000 | loss 5.123 mtp 5.400 bal 1.02 | lr 3.0e-04 | gnorm 0.91 | 12.3k tok/s"
+                     " | mfu 31.2% | mem 42.1 GiB")  # no ETA before a step rate is known
+    assert second.startswith("step 120/1000 | loss 5.123") and " | eta 0:" in second
+
+
+def test_console_line_shows_only_keys_present(tmp_path, capsys):
+    logger = MetricsLogger(str(tmp_path), {})
+    logger.log(3, {"loss": 2.0, "tokens_per_s": 950.0, "moe/layer0/bias_min": 0.0})
+    assert capsys.readouterr().out.strip() == "step 3 | loss 2.000 | 950 tok/s"
+
+
+def test_disabled_logger_writes_nothing(tmp_path, capsys):
+    logger = MetricsLogger(str(tmp_path / "run"), {}, enabled=False, use_wandb=True)
+    logger.log(1, {"loss": 1.0})
+    logger.close()
+    assert not (tmp_path / "run").exists() and capsys.readouterr().out == ""
+
+
+def test_missing_wandb_is_a_clear_error_only_when_enabled(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
+    MetricsLogger(str(tmp_path), {}).close()
+    with pytest.raises(ImportError, match="pip install wandb"):
+        MetricsLogger(str(tmp_path), {}, use_wandb=True)
+
+
+def test_metrics_module_does_not_import_wandb():
+    code = "import sys; import dsv3.metrics; assert 'wandb' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_wandb_goes_offline_without_an_api_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~/.netrc
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert _wandb_mode() == "offline"
+    netrc_file = tmp_path / ".netrc"
+    netrc_file.write_text("machine api.wandb.ai\n  login user\n  password abc123\n")
+    netrc_file.chmod(0o600)
+    assert _wandb_mode() is None
+    netrc_file.unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "abc123")
+    assert _wandb_mode() is None
+    monkeypatch.delenv("WANDB_API_KEY")
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # the user's choice wins
+    assert _wandb_mode() is None
+
+
+def read_wandb_history(path: str) -> dict[int, dict[str, float]]:
+    """History rows {step: {key: value}} from an offline run's .wandb file: a LevelDB-style log (7-byte file
+    header, 32 KiB blocks, records = crc32 + uint16 length + type byte) of wandb `Record` protobufs.
+    Read by hand because wandb >= 0.2x no longer ships a Python reader for it."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B"
+    rows, pos, block, chunks = {}, 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer padding
+            pos += block - pos % block
+            continue
+        length, kind = struct.unpack_from("<HB", data, pos + 4)
+        chunks += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST: a whole record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            if record.WhichOneof("record_type") == "history":
+                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item}
+                rows[items["_step"]] = items
+    return rows
+
+
+def test_offline_wandb_run_records_the_logged_metrics(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run_dir = tmp_path / "run"
+    logger = MetricsLogger(str(run_dir), {"train": {"lr": 3e-4}}, use_wandb=True, run_name="test")
+    logger.log(5, {"loss": 4.25, "moe/layer0/load_max_over_mean": 1.5})
+    logger.log(10, {"loss": 3.75})
+    logger.close()
+    (path,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    history = read_wandb_history(path)
+    assert history[5]["loss"] == 4.25 and history[5]["moe/layer0/load_max_over_mean"] == 1.5
+    assert history[10]["loss"] == 3.75
