@@ -203,8 +203,22 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def _typed(section: str, key: str, value: Any, current: Any) -> Any:
+    """`value` as the type of the field's `current` value: int → float is fine, anything else is an error."""
+    if isinstance(current, bool) and not isinstance(value, bool):
+        raise ValueError(f"{section}.{key} must be true or false, got {value!r}")
+    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if type(value) is not type(current):
+        raise ValueError(f"{section}.{key} must be a {type(current).__name__}, got {value!r}")
+    return value
+
+
 def _set(cfg: Config, section: str, key: str, value: Any) -> None:
     if section == "model":
+        defaults = ModelConfig()
+        if key in {f.name for f in fields(defaults)}:  # unknown keys are reported by model_config()
+            value = _typed(section, key, value, getattr(defaults, key))
         cfg.model[key] = value
         return
     if section == "":
@@ -219,13 +233,7 @@ def _set(cfg: Config, section: str, key: str, value: Any) -> None:
     types = {f.name: f.type for f in fields(target)}
     if key not in types:
         raise ValueError(f"unknown key {section}.{key}: {section} has {', '.join(sorted(types))}")
-    current = getattr(target, key)
-    if isinstance(current, bool) and not isinstance(value, bool):
-        raise ValueError(f"{section}.{key} must be true or false, got {value!r}")
-    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if type(value) is not type(current):
-        raise ValueError(f"{section}.{key} must be a {type(current).__name__}, got {value!r}")
+    value = _typed(section, key, value, getattr(target, key))
     choices = _CHOICES.get((section, key))
     if choices and value not in choices:
         raise ValueError(f"{section}.{key} must be one of {', '.join(choices)}, got {value!r}")

@@ -1,0 +1,196 @@
+"""Config specification: the flavor table of DESIGN.md, validation errors that name the field to change,
+and TOML + `--section.key=value` loading."""
+
+import dataclasses
+
+import pytest
+
+from dsv3.config import FLAVORS, ModelConfig, load_config
+
+# DESIGN.md "Flavors"; every flavor also has d_n 128, d_r 64, d_v 128, d_c 512.
+FLAVOR_TABLE = {
+    "16B": dict(vocab_size=102400, dim=2048, inter_dim=10944, moe_inter_dim=1408, n_layers=27, n_dense_layers=1,
+                n_heads=16, n_routed_experts=64, n_shared_experts=2, n_activated_experts=6, n_expert_groups=1,
+                n_limited_groups=1, score_func="softmax", route_scale=1.0, q_lora_rank=0),
+    "671B": dict(vocab_size=129280, dim=7168, inter_dim=18432, moe_inter_dim=2048, n_layers=61, n_dense_layers=3,
+                 n_heads=128, n_routed_experts=256, n_shared_experts=1, n_activated_experts=8, n_expert_groups=8,
+                 n_limited_groups=4, score_func="sigmoid", route_scale=2.5, q_lora_rank=1536),
+}
+
+
+def debug_with(**changes) -> ModelConfig:
+    return dataclasses.replace(FLAVORS["debug"], **changes)
+
+
+def problems_of(error: pytest.ExceptionInfo) -> list[str]:
+    """The individual complaints of an 'invalid model config' error, one per line after the first."""
+    return [line.strip() for line in str(error.value).splitlines()[1:]]
+
+
+# ---------------------------------------------------------------------------------------------- flavors
+
+
+def test_flavors_exist():
+    assert {"debug", "16B", "671B"} <= set(FLAVORS)
+    assert all(isinstance(cfg, ModelConfig) for cfg in FLAVORS.values())
+
+
+@pytest.mark.parametrize("flavor", sorted(FLAVOR_TABLE))
+def test_flavor_matches_the_design_table(flavor):
+    cfg = FLAVORS[flavor]
+    expected = dict(FLAVOR_TABLE[flavor], qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                    kv_lora_rank=512)
+    assert {key: getattr(cfg, key) for key in expected} == expected
+
+
+def test_671B_routes_with_sigmoid_normalised_top_k_and_one_mtp_module():
+    cfg = FLAVORS["671B"]
+    assert cfg.route_norm and cfg.n_mtp_layers == 1
+    assert cfg.max_seq_len <= cfg.original_seq_len  # pretraining at 4K: YaRN off
+
+
+def test_debug_flavor_has_every_dim_a_multiple_of_32():
+    cfg = FLAVORS["debug"]
+    dims = dict(vocab_size=cfg.vocab_size, dim=cfg.dim, inter_dim=cfg.inter_dim, moe_inter_dim=cfg.moe_inter_dim,
+                q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim)
+    assert {name: d for name, d in dims.items() if d % 32} == {}
+    assert cfg.q_lora_rank > 0  # the low-rank query path is exercised too
+    assert cfg.n_expert_groups > cfg.n_limited_groups >= 1  # so is group-limited routing
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+def test_experts_not_divisible_by_groups_is_one_clear_error():
+    with pytest.raises(ValueError) as error:
+        debug_with(n_routed_experts=10, n_expert_groups=4)
+    [problem] = problems_of(error)
+    assert "model.n_routed_experts" in problem and "model.n_expert_groups" in problem and "divisible" in problem
+
+
+def test_more_limited_groups_than_groups_is_one_clear_error():
+    with pytest.raises(ValueError) as error:
+        debug_with(n_expert_groups=2, n_limited_groups=3)
+    [problem] = problems_of(error)
+    assert "model.n_limited_groups" in problem and "model.n_expert_groups" in problem
+
+
+def test_top_k_larger_than_the_experts_in_the_limited_groups_is_one_clear_error():
+    # 8 experts in 2 groups, 1 group kept: only 4 experts are reachable per token
+    with pytest.raises(ValueError) as error:
+        debug_with(n_routed_experts=8, n_expert_groups=2, n_limited_groups=1, n_activated_experts=5)
+    [problem] = problems_of(error)
+    assert "model.n_activated_experts" in problem and "4" in problem
+    debug_with(n_routed_experts=8, n_expert_groups=2, n_limited_groups=1, n_activated_experts=4)  # the limit is fine
+
+
+def test_unknown_score_function_is_one_clear_error():
+    with pytest.raises(ValueError) as error:
+        debug_with(score_func="relu")
+    [problem] = problems_of(error)
+    assert "model.score_func" in problem and "'relu'" in problem and "sigmoid" in problem
+
+
+@pytest.mark.parametrize("field,value", [("dim", 0), ("n_heads", 0), ("moe_inter_dim", -64), ("vocab_size", 0),
+                                         ("kv_lora_rank", 0), ("qk_nope_head_dim", -32)])
+def test_non_positive_dim_is_one_error_naming_the_field(field, value):
+    with pytest.raises(ValueError) as error:
+        debug_with(**{field: value})
+    [problem] = problems_of(error)
+    assert f"model.{field}" in problem and str(value) in problem
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+@pytest.fixture
+def toml_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('flavor = "debug"\n'
+                    "[model]\nn_layers = 2\nroute_scale = 2\n"
+                    "[train]\nlr = 1\nsteps = 7\nprecision = \"fp8\"\nseq_len = 128\n"
+                    "[log]\nwandb = true\n")
+    return str(path)
+
+
+def test_load_config_layers_defaults_toml_and_overrides(toml_file):
+    cfg = load_config(toml_file, ["--train.steps=9", "--train.lr=2e-4", "--model.n_mtp_layers=0",
+                                  "--checkpoint.dir=runs/x", "--parallel.ep_backend=deepep"])
+
+    assert cfg.flavor == "debug"
+    assert cfg.train.steps == 9 and cfg.train.lr == 2e-4  # the command line wins over the file
+    assert cfg.train.precision == "fp8" and cfg.train.seq_len == 128 and cfg.log.wandb is True  # from the file
+    assert cfg.train.micro_batch == 8  # untouched default
+    assert cfg.checkpoint.dir == "runs/x" and cfg.parallel.ep_backend == "deepep"
+    model = cfg.model_config()
+    assert model.n_layers == 2 and model.n_mtp_layers == 0
+    assert model.dim == FLAVORS["debug"].dim  # everything else comes from the flavor
+
+
+def test_load_config_coerces_int_to_float(toml_file):
+    cfg = load_config(toml_file)
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert isinstance(cfg.model_config().route_scale, float)
+    cfg = load_config(None, ["--train.grad_clip=2", "--model.rope_factor=8"])
+    assert cfg.train.grad_clip == 2.0 and isinstance(cfg.train.grad_clip, float)
+    assert isinstance(cfg.model_config().rope_factor, float)
+
+
+@pytest.mark.parametrize("override,field", [("--train.steps=1.5", "train.steps"), ("--train.lr=fast", "train.lr"),
+                                            ("--log.wandb=1", "log.wandb"), ("--model.dim=wide", "model.dim"),
+                                            ("--model.n_layers=2.5", "model.n_layers")])
+def test_override_of_the_wrong_type_is_an_error_naming_the_field(override, field):
+    with pytest.raises(ValueError, match=field):
+        load_config(None, [override])
+
+
+def test_unknown_flavor_is_an_error_listing_the_flavors(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('flavor = "7B"\n')
+    for args in [(str(path), []), (None, ["--flavor=7B"])]:
+        with pytest.raises(ValueError, match="7B") as error:
+            load_config(*args)
+        assert all(name in str(error.value) for name in FLAVORS)
+
+
+def test_unknown_override_key_is_an_error_naming_the_valid_keys():
+    with pytest.raises(ValueError, match="train.learning_rate") as error:
+        load_config(None, ["--train.learning_rate=1e-3"])
+    assert "lr" in str(error.value) and "warmup_steps" in str(error.value)
+
+    with pytest.raises(ValueError, match="hidden_size") as error:
+        load_config(None, ["--model.hidden_size=64"])
+    assert "dim" in str(error.value) and "n_heads" in str(error.value)
+
+    with pytest.raises(ValueError, match="optim") as error:
+        load_config(None, ["--optim.lr=1e-3"])
+    assert "train" in str(error.value)
+
+
+def test_unknown_key_in_the_toml_file_is_an_error(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[train]\nlearning_rate = 3e-4\n")
+    with pytest.raises(ValueError, match="train.learning_rate"):
+        load_config(str(path))
+
+
+def test_bad_choice_value_is_an_error_listing_the_choices():
+    with pytest.raises(ValueError, match="train.precision") as error:
+        load_config(None, ["--train.precision=fp4"])
+    assert all(choice in str(error.value) for choice in ("bf16", "fp8", "mxfp8", "mxfp8-emulated"))
+    with pytest.raises(ValueError, match="parallel.ep_backend"):
+        load_config(None, ["--parallel.ep_backend=nccl"])
+
+
+def test_malformed_override_is_an_error_showing_the_syntax():
+    for arg in ["train.lr=3e-4", "--train.lr"]:
+        with pytest.raises(ValueError, match="--section.key=value"):
+            load_config(None, [arg])
+
+
+def test_invalid_model_override_is_caught_when_loading():
+    with pytest.raises(ValueError, match="model.n_limited_groups"):
+        load_config(None, ["--model.n_limited_groups=5"])
+    with pytest.raises(ValueError, match="train.seq_len"):
+        load_config(None, ["--train.seq_len=4096"])  # longer than the debug model's max_seq_len
