@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dsv3.config import ModelConfig
 
@@ -73,9 +74,14 @@ class LocalDispatcher:
 
     def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
         order, topk_weights = ctx
-        y = torch.empty_like(expert_y).index_copy_(0, order, expert_y)  # back to [T*K] token order
-        y = y.view(*topk_weights.shape, -1)  # [T, K, D]
-        return torch.bmm(topk_weights.unsqueeze(1).to(y.dtype), y).squeeze(1)  # Σ_k g_k y_k
+        return combine_token_copies(expert_y, order, topk_weights)
+
+
+def combine_token_copies(sorted_y: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Undo the sort by expert (`order`) and reduce each token's K copies: y_t = Σ_k g_t,k · y_t,k."""
+    y = torch.empty_like(sorted_y).index_copy_(0, order, sorted_y)  # back to [T*K] token order
+    y = y.view(*topk_weights.shape, -1)  # [T, K, D]
+    return torch.bmm(topk_weights.unsqueeze(1).to(y.dtype), y).squeeze(1)
 
 
 class GroupedExperts(nn.Module):
@@ -90,10 +96,13 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [N, dim] sorted by expert; tokens_per_expert [E] on device (zeros allowed)."""
+        w13, w2 = self.w13, self.w2
+        if isinstance(w13, DTensor):  # expert parallelism: compute with this rank's slice of the stacks
+            w13, w2 = w13.to_local(), w2.to_local()
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)  # group ends, as _grouped_mm wants
-        gate_up = grouped_mm(x, self.w13.transpose(-2, -1), offsets)  # [N, 2I]
+        gate_up = grouped_mm(x, w13.transpose(-2, -1), offsets)  # [N, 2I]
         gate, up = gate_up.split(self.inter_dim, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offsets)  # [N, dim]
+        return grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offsets)  # [N, dim]
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""Training checkpoints with torch.distributed.checkpoint (sharded, reshardable: save at world 4, resume
+at 2 or 1) and the final safetensors export. A checkpoint is written to `step-N.tmp/` and renamed to
+`step-N/` only when complete, so a crash mid-save never touches the last good one."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from dsv3.config import ModelConfig
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first (unfinished `*.tmp` ones are ignored)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+         train_state: dict[str, Any], keep: int) -> Path:
+    """Model (expert biases included: they are buffers), optimizer and `train_state` (step, data-loader
+    position, ...) as `run_dir/step-{step}`; keeps the newest `keep`."""
+    run_dir = Path(run_dir)
+    final, tmp = run_dir / f"step-{step}", run_dir / f"step-{step}.tmp"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
+             "train": train_state}
+    dcp.save(state, checkpoint_id=str(tmp))
+    _barrier()
+    if _rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+         train_state: dict[str, Any]) -> dict[str, Any]:
+    """Load a checkpoint into the (possibly differently sharded) model and optimizer; returns the saved
+    train_state (`train_state` gives its keys and types)."""
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
+             "train": train_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    return state["train"]
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded model state on CPU (gathered on every rank; only rank 0 keeps real tensors)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def export(out_dir: str | Path, model: nn.Module, cfg: ModelConfig) -> None:
+    """Write `model.safetensors` (dsv3 names) + `config.json` (ModelConfig fields), atomically."""
+    state = full_state_dict(model)
+    if _rank() == 0:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.contiguous() for k, v in state.items()}
+        save_file(tensors, out_dir / "model.safetensors.tmp")
+        os.replace(out_dir / "model.safetensors.tmp", out_dir / "model.safetensors")
+        (out_dir / "config.json.tmp").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        os.replace(out_dir / "config.json.tmp", out_dir / "config.json")
+    _barrier()

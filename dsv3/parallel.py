@@ -1,0 +1,213 @@
+"""Distribution, applied from outside the plain model: process group and meshes, the expert-parallel
+all-to-all dispatcher, FSDP2 wrapping, activation checkpointing, per-block compile, and the few
+collectives the trainer needs (gradient norm, expert-load sums).
+
+Meshes: dense parameters are `fully_shard`ed over all ranks; routed-expert stacks are sharded Shard(0)
+over `ep` and `fully_shard`ed over `efsdp = world / ep`, both from one 2-D (efsdp, ep) mesh.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from dsv3.model import Transformer
+from dsv3.moe import MoE, combine_token_copies
+
+
+def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
+    """(rank, world size, device) from torchrun's environment; a single process when run plainly."""
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no CUDA GPU is visible: use --train.device=cpu")
+    if "WORLD_SIZE" not in os.environ:
+        return 0, 1, torch.device("cuda" if use_cuda else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+
+
+def check_ep(ep: int, world: int, n_routed_experts: int) -> None:
+    if ep < 1 or world % ep:
+        raise ValueError(f"parallel.ep={ep} must divide the world size {world}: pick one of "
+                         f"{[d for d in range(1, world + 1) if world % d == 0]}")
+    if n_routed_experts % ep:
+        raise ValueError(f"parallel.ep={ep} must divide model.n_routed_experts={n_routed_experts}")
+
+
+@dataclass
+class Meshes:
+    dense: DeviceMesh  # all ranks, 1-D
+    experts: DeviceMesh  # (efsdp, ep), 2-D
+
+
+def build_meshes(device_type: str, world: int, ep: int) -> Meshes:
+    dense = init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
+    experts = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    return Meshes(dense, experts)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; its backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        return _AllToAll.apply(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+class AllToAllDispatcher:
+    """Expert parallelism over `group`: rank r holds experts [r·E_local, (r+1)·E_local).
+
+    route → counts per expert → exchange counts → exchange token copies (uneven splits) → sort by local
+    expert → grouped GEMM → the reverse. The split sizes must reach the host for all_to_all_single: that
+    `.tolist()` is the one device→host sync per MoE layer.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, n_experts: int):
+        self.group = group
+        self.ep = dist.get_world_size(group)
+        self.n_local = n_experts // self.ep
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 tokens_per_expert: torch.Tensor):
+        order = topk_idx.flatten().argsort(stable=True)  # by expert, hence by destination rank
+        send_x = x[order // topk_idx.size(1)]
+        # received[src, e]: copies rank src sends to our local expert e
+        received = torch.empty_like(tokens_per_expert)
+        dist.all_to_all_single(received, tokens_per_expert, group=self.group)
+        received = received.view(self.ep, self.n_local)
+        splits = torch.cat([tokens_per_expert.view(self.ep, self.n_local).sum(1), received.sum(1)])
+        splits = splits.tolist()  # the one device→host sync of this layer
+        send_splits, recv_splits = splits[:self.ep], splits[self.ep:]
+        recv_x = _AllToAll.apply(send_x, recv_splits, send_splits, self.group)  # [src][local expert] order
+        local_expert = torch.arange(self.n_local, device=x.device).repeat(self.ep)
+        expert_of_row = local_expert.repeat_interleave(received.flatten(), output_size=recv_x.size(0))
+        local_order = expert_of_row.argsort(stable=True)  # → [local expert][src] order
+        return recv_x[local_order], received.sum(0), (order, topk_weights, local_order, send_splits, recv_splits)
+
+    def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
+        order, topk_weights, local_order, send_splits, recv_splits = ctx
+        recv_y = torch.empty_like(expert_y).index_copy_(0, local_order, expert_y)
+        sorted_y = _AllToAll.apply(recv_y, send_splits, recv_splits, self.group)
+        return combine_token_copies(sorted_y, order, topk_weights)
+
+
+def moe_layers(model: Transformer) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def blocks(model: Transformer) -> list[nn.Module]:
+    return list(model.layers.values()) + [m.block for m in model.mtp]
+
+
+def apply_expert_parallel(model: Transformer, meshes: Meshes) -> None:
+    """Shard each expert stack Shard(0) over `ep` and hand every MoE the all-to-all dispatcher."""
+    ep_mesh = meshes.experts["ep"]
+    dispatcher = AllToAllDispatcher(ep_mesh.get_group(), model.cfg.n_routed_experts)
+    for moe in moe_layers(model):
+        for name, param in list(moe.experts.named_parameters()):
+            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
+            setattr(moe.experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        moe.dispatcher = dispatcher
+
+
+def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               ep: int) -> None:
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    world = meshes.dense.size()
+    expert_mesh = meshes.experts["efsdp"] if ep > 1 else meshes.dense
+    for block in blocks(model):
+        if isinstance(block.ffn, MoE):
+            fully_shard(block.ffn.experts, mesh=expert_mesh, mp_policy=mp)
+            # each expert's gradient sums the tokens of its whole EP group: average over all ranks, not efsdp
+            block.ffn.experts.set_gradient_divide_factor(world)
+            # gloo lacks the PREMUL_SUM that a custom factor uses (and a 1-rank mesh needs no reduction)
+            if expert_mesh.device_type == "cpu" and expert_mesh.size() > 1:
+                block.ffn.experts.set_force_sum_reduction_for_comms(True)
+        fully_shard(block, mesh=meshes.dense, mp_policy=mp)
+    fully_shard(model, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=False)
+    if ep > 1:
+        # EP's blocking split-size copy stalls FSDP's implicit prefetch: prefetch the next block explicitly.
+        chain = blocks(model)
+        for prev, nxt in zip(chain, chain[1:]):
+            prev.set_modules_to_forward_prefetch([nxt])
+            nxt.set_modules_to_backward_prefetch([prev])
+
+
+# Selective AC keeps what is expensive to recompute (GEMM and attention outputs), recomputes the rest.
+_SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default,
+             torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default}
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
+    """none | full (recompute each block) | selective (recompute each block but keep GEMM outputs)."""
+    if mode == "none":
+        return
+    kwargs = {}
+    if mode == "selective":
+        kwargs["context_fn"] = lambda: create_selective_checkpoint_contexts(_selective_policy)
+    for key, block in list(model.layers.items()):
+        model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
+    for mtp in model.mtp:
+        mtp.block = checkpoint_wrapper(mtp.block, preserve_rng_state=False, **kwargs)
+
+
+def apply_compile(model: Transformer) -> None:
+    """torch.compile each block in place (module names, hence checkpoints, are unchanged)."""
+    for block in model.layers.values():
+        block.compile()
+    for mtp in model.mtp:
+        mtp.block.compile()
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Skip FSDP's reduce-scatter on gradient-accumulation micro-steps."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global L2 norm over sharded gradients, clipped to max_norm. Every DTensor here is sharded, never
+    replicated, so local squared sums add up over ranks exactly once, whatever mesh each lives on."""
+    grads = [p.grad for p in params if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    total_sq = torch.stack([g.float().pow(2).sum() for g in local]).sum()
+    if dist.is_initialized() and any(isinstance(g, DTensor) for g in grads):
+        dist.all_reduce(total_sq)
+    total = total_sq.sqrt()
+    torch._foreach_mul_(local, (max_norm / (total + 1e-6)).clamp(max=1.0))
+    return total
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t

@@ -1,0 +1,222 @@
+"""Pretrain DeepSeek-V3: `python train.py --config configs/debug.toml [--section.key=value ...] [--resume]`,
+or the same under `torchrun --nproc_per_node=N`.
+
+parse config → check inputs → build model → parallelize (EP, AC, FSDP2) → compile → train:
+AdamW, warmup → constant → cosine (paper §4.2), optional batch-size ramp, gradient accumulation,
+loss = CE + λ/D·Σ CE_mtp + α·L_bal, clip 1.0, then the aux-loss-free expert-bias update.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dsv3 import checkpoint, parallel
+from dsv3.config import Config, TrainConfig, load_config
+from dsv3.data import PackedLoader, read_index
+from dsv3.metrics import MetricsLogger, expert_load_stats, flops_per_token, memory_stats, mfu, peak_flops
+from dsv3.model import Transformer
+from dsv3.moe import update_expert_bias
+
+
+def lr_at(step: int, t: TrainConfig) -> float:
+    """Linear warmup → constant → cosine decay to lr·min_lr_ratio over the last (1 − decay_start) of steps."""
+    if step <= t.warmup_steps:
+        return t.lr * step / max(t.warmup_steps, 1)
+    decay_from = max(int(t.decay_start * t.steps), t.warmup_steps)
+    if step <= decay_from:
+        return t.lr
+    progress = (step - decay_from) / max(t.steps - decay_from, 1)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def batch_at(step: int, t: TrainConfig, world: int) -> int:
+    """Global batch in sequences: linear ramp from batch_ramp_start over batch_ramp_steps (paper §4.2),
+    rounded down to whole micro-batches on every rank."""
+    if not t.batch_ramp_steps or step >= t.batch_ramp_steps:
+        return t.global_batch
+    batch = t.batch_ramp_start + (t.global_batch - t.batch_ramp_start) * step // t.batch_ramp_steps
+    unit = t.micro_batch * world
+    return max(unit, batch // unit * unit)
+
+
+def mtp_lambda_at(step: int, t: TrainConfig) -> float:
+    return t.mtp_lambda if step <= t.mtp_lambda_switch * t.steps else t.mtp_lambda_final
+
+
+def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torch.Tensor, t: TrainConfig,
+               step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over this rank's `batch` [rows, S+1], in micro-batches.
+    Returns ([main, mtp, balance, grad_norm] as one device tensor, global tokens_per_expert [L, E])."""
+    micro_batches = batch.split(t.micro_batch)
+    mtp_weight = mtp_lambda_at(step, t) / max(len(model.mtp), 1)
+    losses = torch.zeros(3, device=batch.device)
+    tokens_per_expert = 0
+    for i, micro in enumerate(micro_batches):
+        parallel.set_gradient_sync(model, i == len(micro_batches) - 1)
+        out = model(micro[:, :-1], micro[:, 1:])
+        mtp_loss = torch.stack(out.mtp_losses).sum() if out.mtp_losses else torch.zeros_like(out.loss)
+        total = out.loss + mtp_weight * mtp_loss + t.balance_alpha * out.balance_loss
+        (total / len(micro_batches)).backward()
+        losses += torch.stack([out.loss, mtp_loss / max(len(out.mtp_losses), 1), out.balance_loss]).detach()
+        tokens_per_expert = tokens_per_expert + out.tokens_per_expert
+    grad_norm = parallel.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], t.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    # every rank must hold the same expert bias: sum the counts over the whole global batch first
+    tokens_per_expert = parallel.all_reduce_sum(tokens_per_expert)
+    update_expert_bias(model.routers(), tokens_per_expert, t.bias_update_speed)
+    losses = parallel.all_reduce_sum(losses / len(micro_batches)) / (dist.get_world_size() if dist.is_initialized() else 1)
+    return torch.cat([losses, grad_norm.reshape(1).float()]), tokens_per_expert
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, cfg: Config, rank: int, world: int, device: torch.device) -> float:
+    """Main-head loss over the first val_batches batches of the validation split (same on every call)."""
+    model.eval()
+    loader = PackedLoader(cfg.data.path, "val", cfg.train.seq_len, rank, world, shuffle=False)
+    total = torch.zeros((), device=device)
+    for _ in range(cfg.train.val_batches):
+        batch = loader.next_batch(cfg.train.micro_batch * world).to(device)
+        total += model(batch[:, :-1], batch[:, 1:]).loss
+    model.train()
+    return parallel.all_reduce_sum(total).item() / (cfg.train.val_batches * world)
+
+
+def build_optimizer(model: Transformer, t: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (norm scales are not decayed)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device.type == "cuda")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    config_path, overrides = None, []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--config":
+            config_path = next(args)
+        elif arg.startswith("--config="):
+            config_path = arg.split("=", 1)[1]
+        elif arg == "--resume":
+            overrides.append("--checkpoint.resume=true")
+        else:
+            overrides.append(arg)
+    cfg = load_config(config_path, overrides)
+    mcfg, t = cfg.model_config(), cfg.train
+
+    # Check every input before anything expensive is built.
+    rank, world, device = parallel.init_distributed(t.device)
+    parallel.check_ep(cfg.parallel.ep, world, mcfg.n_routed_experts)
+    if t.global_batch % (t.micro_batch * world):
+        raise ValueError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch × "
+                         f"world size ({t.micro_batch} × {world})")
+    data_vocab = read_index(Path(cfg.data.path) / "train")["vocab_size"]
+    if data_vocab > mcfg.vocab_size:
+        raise ValueError(f"the data's tokenizer has {data_vocab} tokens but model.vocab_size is "
+                         f"{mcfg.vocab_size}: set --model.vocab_size={data_vocab} or re-tokenize the data")
+    loader = PackedLoader(cfg.data.path, "train", t.seq_len, rank, world, seed=t.seed)
+    PackedLoader(cfg.data.path, "val", t.seq_len)  # fail now, not at the first validation
+
+    torch.manual_seed(t.seed)
+    if device.type == "cuda":  # materialise shards only: the full model need not fit one device
+        with torch.device("meta"):
+            model = Transformer(mcfg)
+    else:
+        model = Transformer(mcfg)
+    distributed = world > 1 or device.type == "cuda"
+    if distributed:
+        meshes = parallel.build_meshes(device.type, world, cfg.parallel.ep)
+        if cfg.parallel.ep > 1:
+            parallel.apply_expert_parallel(model, meshes)
+    parallel.apply_activation_checkpointing(model, t.activation_checkpoint)
+    if t.compile:
+        parallel.apply_compile(model)
+    if distributed:
+        param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        parallel.apply_fsdp(model, meshes, param_dtype, torch.float32, cfg.parallel.ep)
+    if device.type == "cuda":
+        model.to_empty(device=device)
+        model.init_weights()
+    optimizer = build_optimizer(model, t, device)
+
+    run_dir = Path(cfg.checkpoint.dir)
+    start_step = 0
+    found = checkpoint.checkpoints(run_dir) if cfg.checkpoint.resume else []
+    if found:
+        state = checkpoint.load(found[-1], model, optimizer, {"step": 0, "data": loader.state_dict()})
+        start_step = state["step"]
+        loader.load_state_dict(state["data"])
+        if rank == 0:
+            print(f"resumed from {found[-1]} at step {start_step}")
+
+    logger = MetricsLogger(str(run_dir), asdict(cfg), enabled=rank == 0, use_wandb=cfg.log.wandb,
+                           project=cfg.log.project, run_name=cfg.log.run_name, total_steps=t.steps)
+    flops = flops_per_token(mcfg, t.seq_len)
+    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    pending: list[tuple[int, torch.Tensor, int]] = []  # (step, [main, mtp, bal, gnorm], tokens): no sync
+    last_good = start_step
+    clock, tokens_since = time.perf_counter(), 0
+
+    def flush() -> None:
+        """One host sync for all steps since the last: stop on the first non-finite loss."""
+        nonlocal last_good
+        values = torch.stack([v for _, v, _ in pending]).tolist() if pending else []
+        for (step, _, _), row in zip(pending, values):
+            for name, value in zip(("loss", "mtp_loss", "balance_loss", "grad_norm"), row):
+                if not math.isfinite(value):
+                    raise FloatingPointError(f"{name} is {value} at step {step}; the last good checkpoint "
+                                             f"is kept untouched (last finite step: {last_good})")
+            last_good = step
+        pending.clear()
+        return values[-1] if values else None
+
+    model.train()
+    for step in range(start_step + 1, t.steps + 1):
+        lr = lr_at(step, t)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        global_batch = batch_at(step, t, world)
+        batch = loader.next_batch(global_batch).to(device, non_blocking=True)
+        values, tokens_per_expert = train_step(model, optimizer, batch, t, step)
+        pending.append((step, values, global_batch * t.seq_len))
+        tokens_since += global_batch * t.seq_len
+
+        if step % cfg.log.every == 0 or step == t.steps:
+            main_loss, mtp_loss, balance_loss, grad_norm = flush()
+            elapsed, clock = time.perf_counter() - clock, time.perf_counter()
+            tokens_per_s = tokens_since / elapsed
+            tokens_since = 0
+            metrics = {"loss": main_loss, "balance_loss": balance_loss, "grad_norm": grad_norm, "lr": lr,
+                       "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / world,
+                       "global_batch": global_batch}
+            if mcfg.n_mtp_layers:
+                metrics["mtp_loss"] = mtp_loss
+            if peak:
+                metrics["mfu"] = mfu(flops, tokens_per_s, world, peak)
+            metrics.update(memory_stats())
+            metrics.update(expert_load_stats(tokens_per_expert, [r.expert_bias for r in model.routers()]))
+            logger.log(step, metrics)
+        if t.val_every and (step % t.val_every == 0 or step == t.steps):
+            logger.log(step, {"val_loss": evaluate(model, cfg, rank, world, device)})
+        if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps:
+            flush()  # never save over the last good checkpoint with a diverged model
+            checkpoint.save(run_dir, step, model, optimizer, {"step": step, "data": loader.state_dict()},
+                            cfg.checkpoint.keep)
+    if cfg.checkpoint.export:
+        checkpoint.export(run_dir / "export", model, mcfg)
+    logger.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
