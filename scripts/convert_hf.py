@@ -1,0 +1,166 @@
+"""Convert between HF DeepSeek-V3 checkpoints and dsv3 safetensors checkpoints, tensor by tensor.
+
+    python scripts/convert_hf.py --to-dsv3 HF_DIR OUT_DIR
+    python scripts/convert_hf.py --to-hf DSV3_DIR OUT_DIR [--fused-experts]
+
+HF_DIR: an HF config.json + *.safetensors shards (bf16/fp32; dequantize DeepSeek's FP8 release first).
+DSV3_DIR: our config.json (ModelConfig fields) + *.safetensors shards with `Transformer.state_dict()` names.
+Both directions write shards of at most --max-shard-gb plus model.safetensors.index.json, and hold at most
+one output shard and the routed-expert stacks still being collected, never the whole model.
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file without installing dsv3
+from dsv3.hf import (FromHF, check_dsv3_keys, check_hf_keys, config_from_hf, config_to_hf,  # noqa: E402
+                     load_config_json, save_config, tensor_to_hf)
+
+INDEX = "model.safetensors.index.json"
+
+
+def find_shards(src: Path) -> list[Path]:
+    """The shards the index names, else every *.safetensors in src."""
+    if (src / INDEX).exists():
+        names = sorted(set(json.loads((src / INDEX).read_text())["weight_map"].values()))
+        return [src / n for n in names]
+    shards = sorted(src.glob("*.safetensors"))
+    if not shards:
+        raise SystemExit(f"no *.safetensors shards in {src}; point at a checkpoint directory.")
+    return shards
+
+
+def config_path(src: Path) -> Path:
+    path = src / "config.json"
+    if not path.exists():
+        raise SystemExit(f"{path} not found: a checkpoint directory needs its config.json beside the shards.")
+    return path
+
+
+def tensor_shapes(shards: list[Path]) -> dict[str, list[int]]:
+    """Names and shapes from the safetensors headers, without reading any tensor."""
+    shapes = {}
+    for shard in shards:
+        with safe_open(shard, framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = f.get_slice(name).get_shape()
+    return shapes
+
+
+def read_tensors(shards: list[Path], total: int) -> Iterator[tuple[str, torch.Tensor]]:
+    with tqdm(total=total, unit="tensor", desc="converting") as progress:
+        for shard in shards:
+            with safe_open(shard, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+                    progress.update()
+
+
+class ShardWriter:
+    """Buffers tensors up to max_bytes per shard; `close()` names the shards -of-N and writes the index."""
+
+    def __init__(self, out: Path, max_bytes: int):
+        self.out, self.max_bytes = out, max_bytes
+        self.buffer: dict[str, torch.Tensor] = {}
+        self.buffer_bytes = 0
+        self.shard_of: dict[str, int] = {}  # tensor name → shard number
+        self.n_shards = 0
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.buffer and self.buffer_bytes + size > self.max_bytes:
+            self._flush()
+        self.buffer[name] = tensor.contiguous()
+        self.buffer_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        self.n_shards += 1
+        save_file(self.buffer, self.out / f"part-{self.n_shards:05d}.tmp", metadata={"format": "pt"})
+        self.shard_of.update(dict.fromkeys(self.buffer, self.n_shards))
+        self.buffer, self.buffer_bytes = {}, 0
+
+    def close(self) -> None:
+        if self.buffer:
+            self._flush()
+        # the final names carry the shard count, known only now
+        names = {i: f"model-{i:05d}-of-{self.n_shards:05d}.safetensors" for i in range(1, self.n_shards + 1)}
+        for i, name in names.items():
+            (self.out / f"part-{i:05d}.tmp").rename(self.out / name)
+        index = {"metadata": {"total_size": self.total_bytes},
+                 "weight_map": {k: names[i] for k, i in sorted(self.shard_of.items())}}
+        (self.out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def open_output(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.glob("*.safetensors")):
+        raise SystemExit(f"{out} already holds *.safetensors shards; pick an empty output directory.")
+
+
+def to_dsv3(src: Path, out: Path, max_bytes: int) -> None:
+    cfg = config_from_hf(json.loads(config_path(src).read_text()))
+    shards = find_shards(src)
+    shapes = tensor_shapes(shards)
+    if cfg.n_mtp_layers and not any(n.startswith(f"model.layers.{cfg.n_layers}.") for n in shapes):
+        print(f"{src} has no MTP layers (transformers does not save them): converting with n_mtp_layers=0")
+        cfg = dataclasses.replace(cfg, n_mtp_layers=0)
+    check_hf_keys(shapes, cfg)  # fail before writing anything
+    open_output(out)
+    importer, writer = FromHF(cfg), ShardWriter(out, max_bytes)
+    for name, tensor in read_tensors(shards, len(shapes)):
+        for key, converted in importer.add(name, tensor).items():
+            writer.add(key, converted)
+    for key, converted in importer.finish().items():
+        writer.add(key, converted)
+    writer.close()
+    save_config(cfg, out / "config.json")
+
+
+def to_hf(src: Path, out: Path, max_bytes: int, fused_experts: bool) -> None:
+    cfg = load_config_json(config_path(src))
+    shards = find_shards(src)
+    shapes = tensor_shapes(shards)
+    check_dsv3_keys(shapes, cfg)
+    open_output(out)
+    writer = ShardWriter(out, max_bytes)
+    for key, tensor in read_tensors(shards, len(shapes)):
+        for name, converted in tensor_to_hf(key, tensor, cfg, fused_experts).items():
+            writer.add(name, converted)
+    writer.close()
+    (out / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    direction = parser.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--to-dsv3", nargs=2, metavar=("HF_DIR", "OUT_DIR"), type=Path)
+    direction.add_argument("--to-hf", nargs=2, metavar=("DSV3_DIR", "OUT_DIR"), type=Path)
+    parser.add_argument("--fused-experts", action="store_true",
+                        help="--to-hf: transformers-5 fused experts instead of per-expert tensors as on disk")
+    parser.add_argument("--max-shard-gb", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    if args.fused_experts and not args.to_hf:
+        parser.error("--fused-experts chooses the HF layout written by --to-hf")
+    max_bytes = int(args.max_shard_gb * 1e9)
+    try:
+        if args.to_dsv3:
+            to_dsv3(*args.to_dsv3, max_bytes)
+        else:
+            to_hf(*args.to_hf, max_bytes, args.fused_experts)
+    except ValueError as e:  # config or key mismatch, explained by dsv3.hf
+        raise SystemExit(str(e)) from None
+
+
+if __name__ == "__main__":
+    main()
