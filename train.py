@@ -97,6 +97,30 @@ def build_optimizer(model: Transformer, t: TrainConfig, device: torch.device) ->
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device.type == "cuda")
 
 
+def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
+    """Build → expert parallelism → activation checkpointing → compile → FSDP2, then materialise.
+    On CUDA the model is built on the meta device so only this rank's shards are ever allocated."""
+    mcfg, t = cfg.model_config(), cfg.train
+    torch.manual_seed(t.seed)
+    with torch.device("meta" if device.type == "cuda" else device):
+        model = Transformer(mcfg)
+    distributed = world > 1 or device.type == "cuda"
+    if distributed:
+        meshes = parallel.build_meshes(device.type, world, cfg.parallel.ep)
+        if cfg.parallel.ep > 1:
+            parallel.apply_expert_parallel(model, meshes)
+    parallel.apply_activation_checkpointing(model, t.activation_checkpoint)
+    if t.compile:
+        parallel.apply_compile(model)
+    if distributed:  # bf16 compute with fp32 master weights on GPU; plain fp32 on CPU
+        param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        parallel.apply_fsdp(model, meshes, param_dtype, torch.float32, cfg.parallel.ep)
+    if device.type == "cuda":
+        model.to_empty(device=device)
+        model.init_weights()
+    return model
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     config_path, overrides = None, []
@@ -126,26 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     loader = PackedLoader(cfg.data.path, "train", t.seq_len, rank, world, seed=t.seed)
     PackedLoader(cfg.data.path, "val", t.seq_len)  # fail now, not at the first validation
 
-    torch.manual_seed(t.seed)
-    if device.type == "cuda":  # materialise shards only: the full model need not fit one device
-        with torch.device("meta"):
-            model = Transformer(mcfg)
-    else:
-        model = Transformer(mcfg)
-    distributed = world > 1 or device.type == "cuda"
-    if distributed:
-        meshes = parallel.build_meshes(device.type, world, cfg.parallel.ep)
-        if cfg.parallel.ep > 1:
-            parallel.apply_expert_parallel(model, meshes)
-    parallel.apply_activation_checkpointing(model, t.activation_checkpoint)
-    if t.compile:
-        parallel.apply_compile(model)
-    if distributed:
-        param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        parallel.apply_fsdp(model, meshes, param_dtype, torch.float32, cfg.parallel.ep)
-    if device.type == "cuda":
-        model.to_empty(device=device)
-        model.init_weights()
+    model = build_model(cfg, world, device)
     optimizer = build_optimizer(model, t, device)
 
     run_dir = Path(cfg.checkpoint.dir)

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from dsv3.model import Transformer
-from dsv3.moe import MoE, combine_token_copies
+from dsv3.moe import MoE, combine_token_copies, pad_groups
 
 
 def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
@@ -31,6 +31,8 @@ def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("train.device=cuda but no CUDA GPU is visible: use --train.device=cpu")
     if "WORLD_SIZE" not in os.environ:
+        if use_cuda and not dist.is_initialized():  # FSDP2 (our bf16 mixed precision) needs a group, even of one
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
         return 0, 1, torch.device("cuda" if use_cuda else "cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:
@@ -81,13 +83,15 @@ class AllToAllDispatcher:
 
     route → counts per expert → exchange counts → exchange token copies (uneven splits) → sort by local
     expert → grouped GEMM → the reverse. The split sizes must reach the host for all_to_all_single: that
-    `.tolist()` is the one device→host sync per MoE layer.
+    `.tolist()` is the one device→host sync per MoE layer. `align` > 1 pads each local expert's group
+    (`pad_groups`), without another sync.
     """
 
-    def __init__(self, group: dist.ProcessGroup, n_experts: int):
+    def __init__(self, group: dist.ProcessGroup, n_experts: int, align: int = 1):
         self.group = group
         self.ep = dist.get_world_size(group)
         self.n_local = n_experts // self.ep
+        self.align = align
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  tokens_per_expert: torch.Tensor):
@@ -104,10 +108,16 @@ class AllToAllDispatcher:
         local_expert = torch.arange(self.n_local, device=x.device).repeat(self.ep)
         expert_of_row = local_expert.repeat_interleave(received.flatten(), output_size=recv_x.size(0))
         local_order = expert_of_row.argsort(stable=True)  # → [local expert][src] order
-        return recv_x[local_order], received.sum(0), (order, topk_weights, local_order, send_splits, recv_splits)
+        expert_x, tokens_per_local_expert, rows = recv_x[local_order], received.sum(0), None
+        if self.align > 1:
+            expert_x, tokens_per_local_expert, rows = pad_groups(
+                expert_x, expert_of_row[local_order], tokens_per_local_expert, self.align)
+        return expert_x, tokens_per_local_expert, (order, topk_weights, local_order, rows, send_splits, recv_splits)
 
     def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
-        order, topk_weights, local_order, send_splits, recv_splits = ctx
+        order, topk_weights, local_order, rows, send_splits, recv_splits = ctx
+        if rows is not None:
+            expert_y = expert_y[rows]  # the real rows only
         recv_y = torch.empty_like(expert_y).index_copy_(0, local_order, expert_y)
         sorted_y = _AllToAll.apply(recv_y, send_splits, recv_splits, self.group)
         return combine_token_copies(sorted_y, order, topk_weights)
@@ -122,14 +132,14 @@ def blocks(model: Transformer) -> list[nn.Module]:
 
 
 def apply_expert_parallel(model: Transformer, meshes: Meshes) -> None:
-    """Shard each expert stack Shard(0) over `ep` and hand every MoE the all-to-all dispatcher."""
+    """Shard each expert stack Shard(0) over `ep` and hand every MoE the all-to-all dispatcher
+    (keeping the group alignment that dsv3.quant may have set on the local one)."""
     ep_mesh = meshes.experts["ep"]
-    dispatcher = AllToAllDispatcher(ep_mesh.get_group(), model.cfg.n_routed_experts)
     for moe in moe_layers(model):
         for name, param in list(moe.experts.named_parameters()):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
             setattr(moe.experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        moe.dispatcher = dispatcher
+        moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), model.cfg.n_routed_experts, moe.dispatcher.align)
 
 
 def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, reduce_dtype: torch.dtype,

@@ -1,0 +1,128 @@
+"""Training-step benchmark: `python scripts/bench.py --config configs/16b_4layer.toml [--steps 20] [--json]
+[--section.key=value ...]` (also under torchrun).
+
+Warm-up steps (compile, allocator), then timed steps on random tokens: tokens/s per GPU, MFU, peak memory;
+then a few profiled steps whose CUDA kernel time is split by phase from kernel names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import train  # noqa: E402
+from dsv3 import parallel  # noqa: E402
+from dsv3.config import load_config  # noqa: E402
+from dsv3.metrics import flops_per_token, mfu, peak_flops  # noqa: E402
+
+# First match wins: kernel-name fragments (lower case) → phase.
+PHASES = [
+    ("optimizer", ("adam", "multi_tensor_apply")),
+    ("attention", ("sdpa", "fmha", "flash", "attention", "cudnn")),
+    ("loss", ("log_softmax", "nll_loss", "cross_entropy", "softmax_backward")),
+    ("expert GEMMs", ("grouped", "group_gemm", "ptrarray", "groupproblem")),
+    ("dense GEMMs", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")),
+    ("routing + permutation", ("sort", "topk", "radix", "scatter", "gather", "index", "cumsum", "bmm")),
+    ("communication", ("nccl", "all_gather", "reduce_scatter", "alltoall")),
+]
+
+
+def phase_of(kernel: str) -> str:
+    name = kernel.lower()
+    for phase, fragments in PHASES:
+        if any(f in name for f in fragments):
+            return phase
+    return "other"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args, overrides = parser.parse_known_args()
+    cfg = load_config(args.config, overrides)
+    mcfg, t = cfg.model_config(), cfg.train
+    rank, world, device = parallel.init_distributed(t.device)
+    parallel.check_ep(cfg.parallel.ep, world, mcfg.n_routed_experts)
+    model = train.build_model(cfg, world, device)
+    optimizer = train.build_optimizer(model, t, device)
+    local_batch = t.global_batch // world
+    generator = torch.Generator(device="cpu").manual_seed(rank)
+
+    def step(i: int) -> None:
+        batch = torch.randint(0, mcfg.vocab_size, (local_batch, t.seq_len + 1), generator=generator)
+        train.train_step(model, optimizer, batch.to(device, non_blocking=True), t, i)
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for i in range(args.warmup):
+        step(i + 1)
+    synchronize()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for i in range(args.steps):
+        step(args.warmup + i + 1)
+    synchronize()
+    step_s = (time.perf_counter() - start) / args.steps
+    tokens_per_s_per_gpu = local_batch * t.seq_len / step_s
+    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    flops = flops_per_token(mcfg, t.seq_len)
+    result = {
+        "config": args.config, "overrides": overrides, "world": world,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "step_ms": 1e3 * step_s, "tokens_per_s_per_gpu": tokens_per_s_per_gpu,
+        "mfu": mfu(flops, tokens_per_s_per_gpu, 1, peak) if peak else None,
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "gflop_per_token": flops / 1e9,
+    }
+
+    if args.profile_steps and device.type == "cuda":
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            for i in range(args.profile_steps):
+                step(i + 1)
+            synchronize()
+        per_phase: dict[str, float] = defaultdict(float)
+        for event in prof.key_averages():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                per_phase[phase_of(event.key)] += event.self_device_time_total / 1e3 / args.profile_steps
+        busy = sum(per_phase.values())
+        per_phase["idle (host, syncs)"] = max(1e3 * step_s - busy, 0.0)
+        result["phase_ms"] = dict(sorted(per_phase.items(), key=lambda kv: -kv[1]))
+        top = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: -e.self_device_time_total)[:15]
+        result["top_kernels_ms"] = {e.key[:100]: e.self_device_time_total / 1e3 / args.profile_steps for e in top}
+
+    if rank == 0:
+        if args.json:
+            print(json.dumps(result))
+        else:
+            mfu_text = f"{100 * result['mfu']:.1f}%" if result["mfu"] else "n/a"
+            mem = f"{result['peak_memory_gib']:.1f} GiB" if result["peak_memory_gib"] is not None else "n/a"
+            print(f"\n{result['device']} × {world} | {args.config} {' '.join(overrides)}")
+            print(f"{'tokens/s/GPU':>14} {'MFU':>7} {'step ms':>9} {'peak mem':>10}")
+            print(f"{tokens_per_s_per_gpu:>14,.0f} {mfu_text:>7} {result['step_ms']:>9.1f} {mem:>10}")
+            for phase, ms in result.get("phase_ms", {}).items():
+                print(f"  {phase:<24} {ms:8.1f} ms  {100 * ms / result['step_ms']:5.1f}%")
+            for kernel, ms in result.get("top_kernels_ms", {}).items():
+                print(f"    {ms:8.2f} ms  {kernel}")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
