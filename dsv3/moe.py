@@ -64,24 +64,55 @@ class LocalDispatcher:
       dispatch(x [T, D], topk_idx [T, K], topk_weights [T, K], tokens_per_expert [E] of these tokens)
           -> (expert_x [N, D] grouped by local expert, tokens_per_local_expert [E_local] int64, ctx)
       combine(expert_y [N, D], ctx) -> y [T, D] = Σ_k g_k · expert_y of token t's k-th copy
+      align: every group of expert_x starts at a multiple of it (`pad_groups`); 1 = no padding.
     """
+
+    def __init__(self, align: int = 1):
+        self.align = align  # set by dsv3.quant for the low-precision grouped GEMMs
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  tokens_per_expert: torch.Tensor):
-        order = topk_idx.flatten().argsort(stable=True)  # token copies sorted by expert
+        flat_idx = topk_idx.flatten()
+        order = flat_idx.argsort(stable=True)  # token copies sorted by expert
         expert_x = x[order // topk_idx.size(1)]
-        return expert_x, tokens_per_expert, (order, topk_weights)
+        rows = None
+        if self.align > 1:
+            expert_x, tokens_per_expert, rows = pad_groups(expert_x, flat_idx[order], tokens_per_expert, self.align)
+        return expert_x, tokens_per_expert, (order, topk_weights, rows)
 
     def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
-        order, topk_weights = ctx
+        order, topk_weights, rows = ctx
+        if rows is not None:
+            expert_y = expert_y[rows]  # the real rows only
         return combine_token_copies(expert_y, order, topk_weights)
+
+
+def pad_groups(x: torch.Tensor, expert_of_row: torch.Tensor, counts: torch.Tensor,
+               align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Move rows x [N, D], sorted by expert (expert_of_row [N], counts [E]), into a zero buffer in which every
+    expert's group starts at a multiple of `align`, as the low-precision grouped GEMMs need.
+
+    The buffer has the static size M = round_up(N + E·(align−1), align), the most padding E groups can need,
+    so no count reaches the host. The slack after the last group goes to the last expert: zero rows give
+    zero outputs, and every row belongs to a group, so no GEMM output or gradient row is left unwritten.
+    Returns (x_padded [M, D], padded counts [E] summing to M, rows [N]: the buffer row of each row of x).
+    """
+    n_experts = counts.numel()
+    size = -(-(x.size(0) + n_experts * (align - 1)) // align) * align
+    padded = (counts + align - 1) // align * align  # [E]
+    starts = padded.cumsum(0) - padded  # [E] group starts in the buffer
+    shift = starts - (counts.cumsum(0) - counts)  # [E] how far each group moves down
+    rows = torch.arange(x.size(0), device=x.device) + shift[expert_of_row]  # [N]
+    padded = torch.cat([padded[:-1], size - starts[-1:]])
+    return x.new_zeros(size, x.size(1)).index_copy(0, rows, x), padded, rows
 
 
 def combine_token_copies(sorted_y: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """Undo the sort by expert (`order`) and reduce each token's K copies: y_t = Σ_k g_t,k · y_t,k."""
     y = torch.empty_like(sorted_y).index_copy_(0, order, sorted_y)  # back to [T*K] token order
     y = y.view(*topk_weights.shape, -1)  # [T, K, D]
-    return torch.bmm(topk_weights.unsqueeze(1).to(y.dtype), y).squeeze(1)
+    # elementwise, not bmm: a [1, K] × [K, D] batched GEMM with K = 6 runs on a slow unaligned kernel
+    return (y * topk_weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
 
 
 class GroupedExperts(nn.Module):
@@ -93,6 +124,9 @@ class GroupedExperts(nn.Module):
         # gate (w1) and up (w3) fused so one grouped GEMM reads the tokens once
         self.w13 = nn.Parameter(torch.empty(n_experts, 2 * inter_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
+        # (x [N, K], w [E, K, M] a transposed view of a contiguous [E, M, K] stack, group ends [E] int32) → [N, M];
+        # dsv3.quant swaps in a low-precision one (and sets the dispatcher's `align` to what it needs)
+        self.grouped_mm = grouped_mm
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [N, dim] sorted by expert; tokens_per_expert [E] on device (zeros allowed)."""
@@ -100,14 +134,13 @@ class GroupedExperts(nn.Module):
         if isinstance(w13, DTensor):  # expert parallelism: compute with this rank's slice of the stacks
             w13, w2 = w13.to_local(), w2.to_local()
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)  # group ends, as _grouped_mm wants
-        gate_up = grouped_mm(x, w13.transpose(-2, -1), offsets)  # [N, 2I]
+        gate_up = self.grouped_mm(x, w13.transpose(-2, -1), offsets)  # [N, 2I]
         gate, up = gate_up.split(self.inter_dim, dim=-1)
-        return grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offsets)  # [N, dim]
+        return self.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offsets)  # [N, dim]
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """x [N, K] rows grouped by expert, w [E, K, M] → [N, M]. Kept as the single place the routed-expert
-    GEMM is issued, so `dsv3.quant` can swap the low-precision kernel in."""
+    """The bf16 (or fp32) routed-expert GEMM: x [N, K] rows grouped by expert, w [E, K, M] → [N, M]."""
     return torch._grouped_mm(x, w.to(x.dtype), offs=offsets)
 
 
