@@ -197,13 +197,13 @@ class Transformer(nn.Module):
                 balance.append(bal)
         if targets is None:
             return self.head(self.norm(h))
-        loss = cross_entropy(self.head(self.norm(h)), targets)
+        loss = linear_cross_entropy(self.norm(h), self.head, targets)
         mtp_losses = []
         for k, mtp in enumerate(self.mtp, start=1):
             # depth k at position i sees t_{i+k} (= targets[i+k-1]) and predicts t_{i+k+1} (= targets[i+k])
             n = S - k
             h, counts, bal = mtp(h[:, :n], self.embed(targets[:, k - 1:k - 1 + n]), cos[:n], sin[:n])
-            mtp_losses.append(cross_entropy(self.head(mtp.norm(h)), targets[:, k:]))
+            mtp_losses.append(linear_cross_entropy(mtp.norm(h), self.head, targets[:, k:]))
             if counts is not None:
                 tokens_per_expert.append(counts)
                 balance.append(bal)
@@ -217,5 +217,51 @@ class Transformer(nn.Module):
         return [b.ffn.gate for b in blocks if not isinstance(b.ffn, MLP)]
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+def linear_cross_entropy(h: torch.Tensor, head: nn.Linear, targets: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """mean_t CE(h_t·Wᵀ, y_t) for h [B, S, D], targets [B, S]. With gradients on, computed chunk by chunk
+    by `_LinearCrossEntropy`, so the [B·S, vocab] logits (3.4 GB in bf16 at 16k tokens × 102k, twice that
+    in fp32) never exist in full."""
+    h, targets = h.flatten(0, 1), targets.flatten(0, 1)
+    if not (torch.is_grad_enabled() and (h.requires_grad or head.weight.requires_grad)):
+        return sum(F.cross_entropy(head(h_c).float(), t_c, reduction="sum")
+                   for h_c, t_c in zip(h.split(chunk), targets.split(chunk))) / h.size(0)
+    return _LinearCrossEntropy.apply(h, head.weight, targets, chunk)
+
+
+def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: float, dtype: torch.dtype):
+    """Σ_t CE of one chunk (fp32 math), and dCE/dlogits·scale = (softmax − onehot)·scale in `dtype`."""
+    logits = logits.float()
+    lse = logits.logsumexp(dim=-1)  # [c]
+    loss = (lse - logits.gather(1, targets[:, None]).squeeze(1)).sum()
+    grad = (logits - lse[:, None]).exp()
+    grad = grad - F.one_hot(targets, logits.size(-1)).float()
+    return loss, (grad * scale).to(dtype)
+
+
+_chunk_loss_and_grad_cuda = torch.compile(_chunk_loss_and_grad, dynamic=False)  # one fused pass over the chunk
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The head GEMM and the cross-entropy fused over token chunks; the backward is computed in the
+    forward pass (only the [T, D] and [vocab, D] gradients are kept), as Liger's fused linear CE does."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+        n_tokens = h.size(0)
+        loss_and_grad = _chunk_loss_and_grad_cuda if h.is_cuda else _chunk_loss_and_grad
+        loss = torch.zeros((), device=h.device)
+        grad_h = torch.empty_like(h)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        for start in range(0, n_tokens, chunk):
+            h_c, t_c = h[start:start + chunk], targets[start:start + chunk]
+            chunk_loss, grad_logits = loss_and_grad(h_c @ weight.t(), t_c, 1.0 / n_tokens, h.dtype)  # [c, vocab]
+            loss += chunk_loss
+            grad_h[start:start + chunk] = grad_logits @ weight
+            grad_weight += grad_logits.t() @ h_c  # accumulated over chunks in fp32
+        ctx.save_for_backward(grad_h, grad_weight.to(weight.dtype))
+        return loss / n_tokens
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_h, grad_weight = ctx.saved_tensors
+        return grad_h * grad_loss, grad_weight * grad_loss, None, None

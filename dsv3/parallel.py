@@ -149,13 +149,14 @@ def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, red
     expert_mesh = meshes.experts["efsdp"] if ep > 1 else meshes.dense
     for block in blocks(model):
         if isinstance(block.ffn, MoE):
-            fully_shard(block.ffn.experts, mesh=expert_mesh, mp_policy=mp)
+            fully_shard(block.ffn.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=world > 1)
             # each expert's gradient sums the tokens of its whole EP group: average over all ranks, not efsdp
             block.ffn.experts.set_gradient_divide_factor(world)
             # gloo lacks the PREMUL_SUM that a custom factor uses (and a 1-rank mesh needs no reduction)
             if expert_mesh.device_type == "cpu" and expert_mesh.size() > 1:
                 block.ffn.experts.set_force_sum_reduction_for_comms(True)
-        fully_shard(block, mesh=meshes.dense, mp_policy=mp)
+        # one rank: keep the bf16 copy from forward to backward instead of casting and copying it twice
+        fully_shard(block, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=world > 1)
     fully_shard(model, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=False)
     if ep > 1:
         # EP's blocking split-size copy stalls FSDP's implicit prefetch: prefetch the next block explicitly.
@@ -209,7 +210,7 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor
     replicated, so local squared sums add up over ranks exactly once, whatever mesh each lives on."""
     grads = [p.grad for p in params if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    total_sq = torch.stack([g.float().pow(2).sum() for g in local]).sum()
+    total_sq = torch.stack(torch._foreach_norm(local, 2.0)).float().pow(2).sum()
     if dist.is_initialized() and any(isinstance(g, DTensor) for g in grads):
         dist.all_reduce(total_sq)
     total = total_sq.sqrt()

@@ -27,7 +27,7 @@ from dsv3.metrics import flops_per_token, mfu, peak_flops  # noqa: E402
 PHASES = [
     ("optimizer", ("adam", "multi_tensor_apply")),
     ("attention", ("sdpa", "fmha", "flash", "attention", "cudnn")),
-    ("loss", ("log_softmax", "nll_loss", "cross_entropy", "softmax_backward")),
+    ("loss", ("softmax", "nll_loss", "cross_entropy", "logsumexp", "chunk_loss")),
     ("expert GEMMs", ("grouped", "group_gemm", "ptrarray", "groupproblem")),
     ("dense GEMMs", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")),
     ("routing + permutation", ("sort", "topk", "radix", "scatter", "gather", "index", "cumsum", "bmm")),
