@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--kernels", help="write every profiled CUDA kernel (ms per step, phase) to this TSV file")
     args, overrides = parser.parse_known_args()
     cfg = load_config(args.config, overrides)
     mcfg, t = cfg.model_config(), cfg.train
@@ -103,9 +104,13 @@ def main() -> None:
         busy = sum(per_phase.values())
         per_phase["idle (host, syncs)"] = max(1e3 * step_s - busy, 0.0)
         result["phase_ms"] = dict(sorted(per_phase.items(), key=lambda kv: -kv[1]))
-        top = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: -e.self_device_time_total)[:15]
-        result["top_kernels_ms"] = {e.key[:100]: e.self_device_time_total / 1e3 / args.profile_steps for e in top}
+        kernels = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA),
+                         key=lambda e: -e.self_device_time_total)
+        ms = {e.key: e.self_device_time_total / 1e3 / args.profile_steps for e in kernels}
+        result["top_kernels_ms"] = {key[:100]: ms[key] for key in list(ms)[:15]}
+        if args.kernels and rank == 0:
+            with open(args.kernels, "w") as f:
+                f.writelines(f"{t:.3f}\t{phase_of(key)}\t{key}\n" for key, t in ms.items())
 
     if rank == 0:
         if args.json:
