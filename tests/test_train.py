@@ -1,0 +1,306 @@
+"""The trainer end to end, in-process on CPU: it learns the bundled corpus, resumes loss for loss, survives a
+crash mid-save, stops on a non-finite loss before checkpointing, refuses bad input before building a model,
+and exports a model that loads on its own; plus its schedules and gradient accumulation."""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train
+from dsv3 import checkpoint
+from dsv3.config import FLAVORS, ModelConfig, TrainConfig
+from dsv3.model import Transformer
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = str(ROOT / "configs" / "debug.toml")
+DATA = ROOT / "data" / "stdlib"
+# A few tiny steps of the debug model: a dense and an MoE layer (+ MTP), 32 tokens, 4 sequences in
+# micro-batches of 2.
+TINY = ["--model.n_layers=2", "--train.seq_len=32", "--train.global_batch=4", "--train.micro_batch=2",
+        "--train.val_every=0", "--checkpoint.export=false"]
+
+# Without a process group DCP warns that it "assumes a single process": here that is the point.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.fixture(scope="session")
+def data() -> Path:
+    """The bundled corpus (`python scripts/prepare_data.py`), written here if a checkout lacks it."""
+    if not (DATA / "val" / "index.json").is_file():
+        from scripts.prepare_data import prepare
+        prepare(None, str(ROOT / "data" / "tokenizer.model"), str(DATA), num_threads=os.cpu_count(),
+                progress=False)
+    return DATA
+
+
+def run(run_dir: Path, *overrides: str) -> dict[int, dict]:
+    """train.py on the debug config and the bundled corpus, metrics logged every step; returns them by step."""
+    train.main(["--config", CONFIG, f"--data.path={DATA}", f"--checkpoint.dir={run_dir}", "--log.every=1",
+                *overrides])
+    return metrics(run_dir)
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    """metrics.jsonl by step; a later line for the same step (a resumed run's) wins."""
+    by_step: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_step.setdefault(row.pop("step"), {}).update(row)
+    return by_step
+
+
+def stop_at(monkeypatch: pytest.MonkeyPatch, at_step: int, action) -> None:
+    """Run `action(model)` in train_step just before step `at_step`."""
+    real_step = train.train_step
+
+    def step_with_action(model, optimizer, batch, t, step):
+        if step == at_step:
+            action(model)
+        return real_step(model, optimizer, batch, t, step)
+
+    monkeypatch.setattr(train, "train_step", step_with_action)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def interrupt(model: Transformer) -> None:
+    raise Interrupted
+
+
+# --- it learns, and exports what it learned ------------------------------------------------------------
+
+LEARN_STEPS = 100
+
+
+@pytest.fixture(scope="module")
+def learned(data, tmp_path_factory) -> Path:
+    """The debug config for 100 steps, at seq_len 128 to fit a CI budget (~45 s on 2 cores)."""
+    run_dir = tmp_path_factory.mktemp("learn")
+    run(run_dir, f"--train.steps={LEARN_STEPS}", "--train.seq_len=128", "--train.val_every=25")
+    return run_dir
+
+
+def unigram_val_loss(seq_len: int, n_sequences: int) -> float:
+    """Cross-entropy of the best context-free predictor (train-split token frequencies, add-one smoothed) on
+    the validation tokens that `train.evaluate` scores: a model below it uses context."""
+    train_tokens = np.fromfile(DATA / "train" / "shard_00000.bin", dtype=np.uint16)
+    val_tokens = np.fromfile(DATA / "val" / "shard_00000.bin", dtype=np.uint16)
+    counts = np.bincount(train_tokens, minlength=4096) + 1.0
+    targets = np.concatenate([val_tokens[i * seq_len + 1:(i + 1) * seq_len + 1] for i in range(n_sequences)])
+    return float(-np.log(counts[targets] / counts.sum()).mean())
+
+
+def test_debug_model_learns_bundled_corpus(learned):
+    rows = metrics(learned)
+    val = {step: row["val_loss"] for step, row in rows.items() if "val_loss" in row}
+    assert sorted(val) == [25, 50, 75, 100]
+    first, final = val[25], val[100]
+    # micro_batch 8 × val_batches 4 sequences of the val split, as configs/debug.toml sets them
+    unigram = unigram_val_loss(128, 8 * 4)
+    # measured: uniform 8.32 → unigram plateau ≈ 6.8 by step 25 → 6.07 at step 100 (unigram 6.9)
+    assert final < math.log(4096) - 2.0, val
+    assert final < unigram - 0.5, (val, unigram)
+    assert final < first - 0.4, val
+    assert all(math.isfinite(row["loss"]) for step, row in rows.items() if "loss" in row)
+    assert sorted(s for s, row in rows.items() if "loss" in row) == list(range(1, LEARN_STEPS + 1))
+
+
+def test_export_loads_into_a_fresh_model_and_matches_the_last_checkpoint(learned):
+    export = learned / "export"
+    cfg = ModelConfig(**json.loads((export / "config.json").read_text()))
+    assert cfg == FLAVORS["debug"]
+    exported = Transformer(cfg)
+    exported.load_state_dict(load_file(export / "model.safetensors"), strict=True)
+
+    last = checkpoint.checkpoints(learned)[-1]
+    assert last.name == f"step-{LEARN_STEPS}"
+    trained = Transformer(cfg)
+    state = checkpoint.load(last, trained, train.build_optimizer(trained, TrainConfig(), torch.device("cpu")),
+                            {"step": 0})
+    assert state["step"] == LEARN_STEPS
+
+    trained_state = trained.state_dict()
+    for name, value in exported.state_dict().items():
+        torch.testing.assert_close(value, trained_state[name], rtol=0, atol=0, msg=name)
+    # the expert biases are training state and were trained (they start at zero)
+    assert all(router.expert_bias.abs().sum() > 0 for router in exported.routers())
+    tokens = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported.eval()(tokens), trained.eval()(tokens), rtol=0, atol=0)
+
+
+# --- resume, crashes, divergence --------------------------------------------------------------------
+
+# warmup (steps 1-2) → constant (3-4) → cosine (5-8), batch 2 → 4 over steps 1-3, MTP λ switches at 5
+SCHEDULE = [*TINY, "--train.steps=8", "--train.warmup_steps=2", "--train.decay_start=0.5",
+            "--train.batch_ramp_steps=3", "--train.batch_ramp_start=2", "--train.mtp_lambda_switch=0.5",
+            "--checkpoint.export=true"]
+
+
+def test_resume_continues_exactly(data, tmp_path, monkeypatch):
+    straight = run(tmp_path / "straight", *SCHEDULE)
+
+    stop_at(monkeypatch, 5, interrupt)
+    with pytest.raises(Interrupted):
+        run(tmp_path / "resumed", *SCHEDULE, "--checkpoint.every=4")
+    assert [p.name for p in checkpoint.checkpoints(tmp_path / "resumed")] == ["step-4"]
+    monkeypatch.undo()
+    resumed = run(tmp_path / "resumed", *SCHEDULE, "--checkpoint.every=4", "--resume")
+
+    assert sorted(resumed) == sorted(straight) == list(range(1, 9))
+    assert [straight[s]["global_batch"] for s in range(1, 9)] == [2, 2, 4, 4, 4, 4, 4, 4]
+    for step in range(1, 9):  # every loss, lr, grad norm, expert load and bias stat; only the speed differs
+        assert resumed[step].keys() == straight[step].keys()
+        for key, value in straight[step].items():
+            if not key.startswith("tokens_per_s"):
+                assert resumed[step][key] == value, (step, key)
+    final = load_file(tmp_path / "resumed" / "export" / "model.safetensors")
+    for name, value in load_file(tmp_path / "straight" / "export" / "model.safetensors").items():
+        assert torch.equal(final[name], value), name
+
+
+@pytest.mark.parametrize("failing", ["dcp.save", "os.replace"])
+def test_crash_mid_save_keeps_previous_checkpoint(data, tmp_path, monkeypatch, failing):
+    args = [*TINY, "--train.steps=4", "--checkpoint.every=2"]
+    if failing == "dcp.save":  # half the shards written, then the disk fills
+        real_save = checkpoint.dcp.save
+
+        def save(state, checkpoint_id):
+            if checkpoint_id.endswith("step-4.tmp"):
+                os.makedirs(checkpoint_id, exist_ok=True)
+                Path(checkpoint_id, "__0_0.distcp").write_bytes(b"half a shard")
+                raise OSError("No space left on device")
+            return real_save(state, checkpoint_id=checkpoint_id)
+
+        monkeypatch.setattr(checkpoint.dcp, "save", save)
+    else:  # everything written, killed before the rename
+        real_replace = os.replace
+
+        def replace(src, dst):
+            if str(dst).endswith("step-4"):
+                raise OSError("No space left on device")
+            return real_replace(src, dst)
+
+        monkeypatch.setattr(os, "replace", replace)
+
+    with pytest.raises(OSError, match="No space left"):
+        run(tmp_path, *args)
+    monkeypatch.undo()
+    before_crash = metrics(tmp_path)  # steps 1-4 were logged before step 4's save
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-2"]
+    assert (tmp_path / "step-4.tmp").is_dir()
+
+    after = run(tmp_path, *args, "--resume")  # from step-2: redoes steps 3-4 and clears the stale .tmp
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-2", "step-4"]
+    assert not (tmp_path / "step-4.tmp").exists()
+    for step in (3, 4):
+        assert after[step]["loss"] == before_crash[step]["loss"]
+
+
+@pytest.mark.parametrize("log_every", [1, 100], ids=["logged-every-step", "found-at-checkpoint"])
+def test_nan_loss_stops_before_any_later_checkpoint(data, tmp_path, monkeypatch, log_every):
+    def poison(model: Transformer) -> None:
+        with torch.no_grad():
+            model.embed.weight.fill_(float("nan"))
+
+    args = [*TINY, "--train.steps=6", "--checkpoint.every=2"]
+    stop_at(monkeypatch, 3, poison)
+    # log.every=100 defers the host sync: the check before step 4's save must still catch step 3
+    with pytest.raises(FloatingPointError, match=r"^loss is nan at step 3;.*last finite step: 2\)"):
+        run(tmp_path, *args, f"--log.every={log_every}")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == ["step-2"]
+
+    resumed = run(tmp_path, *args, "--resume")  # the step-2 checkpoint is intact
+    assert all(math.isfinite(resumed[step]["loss"]) for step in range(3, 7))
+
+
+# --- bad input fails fast, with a message that says what to change ----------------------------------
+
+@pytest.mark.parametrize("overrides,error,message", [
+    (["--flavor=huge"], ValueError, "unknown flavor 'huge': choose one of debug, 16B, 671B"),
+    (["--train.learning_rate=1e-3"], ValueError, "unknown key train.learning_rate"),
+    (["--model.dims=64"], ValueError, r"unknown model key\(s\) \['dims'\]"),
+    (["--train.lr"], ValueError, "bad override '--train.lr': write --section.key=value"),
+    (["train.lr=1e-3"], ValueError, "bad override 'train.lr=1e-3'"),
+    (["--train.lr=fast"], ValueError, "train.lr must be a float"),
+    (["--data.path=/nonexistent/corpus"], FileNotFoundError, "scripts/prepare_data.py"),
+    (["--model.vocab_size=1000"], ValueError, "has 4096 tokens but model.vocab_size is 1000"),
+    (["--train.global_batch=12", "--train.micro_batch=8"], ValueError,
+     r"global_batch \(12\) must be a multiple of train.micro_batch"),
+    (["--train.seq_len=512"], ValueError, r"seq_len \(512\) exceeds model.max_seq_len \(256\)"),
+    (["--parallel.ep=2"], ValueError, "parallel.ep=2 must divide the world size 1"),
+], ids=["flavor", "key", "model-key", "no-value", "no-dashes", "type", "data", "vocab", "batch", "seq-len",
+        "ep"])
+def test_bad_input_is_a_clear_error_before_the_model_is_built(data, tmp_path, monkeypatch, overrides, error,
+                                                                message):
+    def build_model(*args, **kwargs):
+        raise AssertionError("the model was built before the input was checked")
+
+    monkeypatch.setattr(train, "build_model", build_model)
+    with pytest.raises(error, match=message):
+        run(tmp_path, *overrides)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+# --- schedules ---------------------------------------------------------------------------------------
+
+def test_lr_warms_up_holds_then_decays_to_min_lr_ratio():
+    t = TrainConfig(steps=100, lr=1e-3, warmup_steps=10, decay_start=0.8, min_lr_ratio=0.1)
+    assert train.lr_at(0, t) == 0.0
+    assert train.lr_at(5, t) == pytest.approx(5e-4)
+    assert train.lr_at(10, t) == train.lr_at(50, t) == train.lr_at(80, t) == 1e-3
+    assert train.lr_at(90, t) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))  # half-way down the cosine
+    assert train.lr_at(100, t) == pytest.approx(1e-4)
+    decay = [train.lr_at(s, t) for s in range(80, 101)]
+    assert all(a > b for a, b in zip(decay, decay[1:]))
+
+
+def test_batch_ramps_linearly_in_whole_micro_batches_per_rank():
+    t = TrainConfig(global_batch=64, micro_batch=4, batch_ramp_steps=100, batch_ramp_start=16)
+    world = 2  # unit: 4 sequences × 2 ranks
+    assert [train.batch_at(s, t, world) for s in (0, 25, 50, 99, 100, 1000)] == [16, 24, 40, 56, 64, 64]
+    assert all(train.batch_at(s, t, world) % 8 == 0 for s in range(101))
+    assert train.batch_at(0, TrainConfig(global_batch=64, micro_batch=4, batch_ramp_steps=100,
+                                         batch_ramp_start=2), world) == 8  # never below one micro-batch each
+    assert train.batch_at(0, TrainConfig(global_batch=64, micro_batch=4), world) == 64  # no ramp
+
+
+def test_mtp_lambda_switches_after_its_fraction_of_steps():
+    t = TrainConfig(steps=100, mtp_lambda=0.3, mtp_lambda_final=0.1, mtp_lambda_switch=0.7)
+    assert [train.mtp_lambda_at(s, t) for s in (1, 70, 71, 100)] == [0.3, 0.3, 0.1, 0.1]
+
+
+# --- gradient accumulation ---------------------------------------------------------------------------
+
+def test_gradient_accumulation_matches_one_big_batch():
+    cfg = FLAVORS["debug"]
+    batch = torch.randint(0, cfg.vocab_size, (8, 33), generator=torch.Generator().manual_seed(0))
+    results = []
+    for micro_batch in (8, 2):
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        t = TrainConfig(global_batch=8, micro_batch=micro_batch, seq_len=32, lr=1e-3, warmup_steps=0)
+        optimizer = train.build_optimizer(model, t, torch.device("cpu"))
+        grads = {}  # as the optimizer sees them: accumulated and clipped
+        optimizer.register_step_pre_hook(
+            lambda *_: grads.update({n: p.grad.clone() for n, p in model.named_parameters()}))
+        values, tokens_per_expert = train.train_step(model, optimizer, batch, t, step=1)
+        results.append((values, tokens_per_expert, grads, model.state_dict()))
+    (values, counts, grads, params), (acc_values, acc_counts, acc_grads, acc_params) = results
+    torch.testing.assert_close(acc_values, values, rtol=0, atol=1e-6)  # main, MTP, balance loss, grad norm
+    assert torch.equal(acc_counts, counts)
+    for name, grad in grads.items():  # measured: ≤ 8e-9 apart, summation order only
+        torch.testing.assert_close(acc_grads[name], grad, rtol=1e-5, atol=1e-8, msg=name)
+    # Adam's first step is lr·g/(|g| + eps): a gradient of ~eps turns 1e-10 of summation-order noise into
+    # ~1e-6 of update (measured ≤ 5e-6 on a handful of elements), hence 1% of lr here.
+    for name, param in params.items():
+        torch.testing.assert_close(acc_params[name], param, rtol=0, atol=1e-5, msg=name)
