@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dsv3 import checkpoint, parallel
+from dsv3 import checkpoint, parallel, quant
 from dsv3.config import Config, TrainConfig, load_config
 from dsv3.data import PackedLoader, read_index
 from dsv3.metrics import MetricsLogger, expert_load_stats, flops_per_token, memory_stats, mfu, peak_flops
@@ -68,6 +68,8 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torc
         tokens_per_expert = tokens_per_expert + out.tokens_per_expert
     grad_norm = parallel.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], t.grad_clip)
     optimizer.step()
+    if t.precision == "fp8" and t.fp8_recipe == "tensorwise":  # fp8 all-gather reuses scales computed now
+        quant.precompute_fp8_scales(model)
     optimizer.zero_grad(set_to_none=True)
     # every rank must hold the same expert bias: sum the counts over the whole global batch first
     tokens_per_expert = parallel.all_reduce_sum(tokens_per_expert)
@@ -98,12 +100,13 @@ def build_optimizer(model: Transformer, t: TrainConfig, device: torch.device) ->
 
 
 def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
-    """Build → expert parallelism → activation checkpointing → compile → FSDP2, then materialise.
+    """Build → low precision (dsv3.quant) → EP → activation checkpointing → compile → FSDP2, then materialise.
     On CUDA the model is built on the meta device so only this rank's shards are ever allocated."""
     mcfg, t = cfg.model_config(), cfg.train
     torch.manual_seed(t.seed)
     with torch.device("meta" if device.type == "cuda" else device):
         model = Transformer(mcfg)
+    quant.apply(model, t.precision, t.expert_precision, t.fp8_recipe)
     distributed = world > 1 or device.type == "cuda"
     if distributed:
         meshes = parallel.build_meshes(device.type, world, cfg.parallel.ep)
@@ -139,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Check every input before anything expensive is built.
     rank, world, device = parallel.init_distributed(t.device)
+    quant.check_precision(t.precision, t.expert_precision, device, t.micro_batch * t.seq_len)
     parallel.check_ep(cfg.parallel.ep, world, mcfg.n_routed_experts)
     if t.global_batch % (t.micro_batch * world):
         raise ValueError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch × "

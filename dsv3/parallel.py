@@ -110,8 +110,8 @@ class AllToAllDispatcher:
         local_order = expert_of_row.argsort(stable=True)  # → [local expert][src] order
         expert_x, tokens_per_local_expert, rows = recv_x[local_order], received.sum(0), None
         if self.align > 1:
-            expert_x, tokens_per_local_expert, rows = pad_groups(
-                expert_x, expert_of_row[local_order], tokens_per_local_expert, self.align)
+            expert_x, tokens_per_local_expert, rows = pad_groups(  # N varies by step: few buffer sizes
+                expert_x, expert_of_row[local_order], tokens_per_local_expert, self.align, bucket=True)
         return expert_x, tokens_per_local_expert, (order, topk_weights, local_order, rows, send_splits, recv_splits)
 
     def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:

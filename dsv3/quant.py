@@ -1,0 +1,183 @@
+"""Low-precision training (DESIGN.md "Precision"), applied to the built model from outside, after it is built
+and before expert parallelism, activation checkpointing, compile and FSDP2. torchao 0.18 is called directly,
+each call in one function named for what it does, and imported only here, only when a mode needs it.
+
+`train.precision` picks the format of the dense linears:
+  bf16            nothing changes.
+  fp8             torchao.float8 `Float8Linear`: e4m3 with rowwise scales (`fp8_recipe=rowwise`), or one scale
+                  per tensor (`tensorwise`), whose weights FSDP2 then all-gathers in fp8: call
+                  `precompute_fp8_scales(model)` after every optimizer step. Compute capability ≥ 8.9.
+  mxfp8           torchao `MXFP8Linear`: e4m3 elements in blocks of 32 sharing a power-of-two scale. SM100 only.
+  mxfp8-emulated  the same numerics, quantized and dequantized around bf16 GEMMs: any device, no speed-up.
+`train.expert_precision=low` runs the routed experts' grouped GEMMs in that format too (fp8: rowwise scales),
+with every expert's token group padded by the dispatcher to the rows the kernel needs (`GROUP_ALIGN`).
+
+Never quantized: the embedding, the router gate, the norms and the output head (DeepSeek-V3 §3.3.1). The MTP
+modules (eh_proj included) keep bf16 dense linears as well: they see B·(S−k) tokens, a count that fp8's
+weight-gradient GEMM (token dim in multiples of 16) and MXFP8 (blocks of 32 tokens) cannot take in general.
+Their routed experts do follow `expert_precision`, since padded groups have the right size by construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from torch import nn
+
+from dsv3.moe import MoE
+
+PRECISIONS = ("bf16", "fp8", "mxfp8", "mxfp8-emulated")
+EXPERT_PRECISIONS = ("bf16", "low")
+FP8_RECIPES = ("rowwise", "tensorwise")
+# Rows per token group the low-precision grouped GEMMs need: fp8 rowwise `_scaled_grouped_mm` takes groups in
+# multiples of 16; MXFP8 quantizes the weight gradient's token dimension in blocks of 32 (emulated too, so that
+# its blocks never straddle two experts, like the real kernel's).
+GROUP_ALIGN = {"fp8": 16, "mxfp8": 32, "mxfp8-emulated": 32}
+# Dense linears must have in and out features divisible by this to be converted (_scaled_mm / MX block size);
+# so must the tokens of a micro-batch, the inner dim of their weight-gradient GEMM.
+FEATURE_MULTIPLE = {"fp8": 16, "mxfp8": 32, "mxfp8-emulated": 32}
+
+
+def _check_modes(precision: str, expert_precision: str, fp8_recipe: str = "rowwise") -> None:
+    for key, value, choices in (("precision", precision, PRECISIONS),
+                                ("expert_precision", expert_precision, EXPERT_PRECISIONS),
+                                ("fp8_recipe", fp8_recipe, FP8_RECIPES)):
+        if value not in choices:
+            raise ValueError(f"unknown train.{key}={value!r}: choose one of {', '.join(choices)}")
+
+
+def check_precision(precision: str, expert_precision: str, device: torch.device, tokens: int = 0) -> None:
+    """Fail at start-up, with what to do instead, if `device` cannot run the asked-for precision, or if the
+    `tokens` of a micro-batch (micro_batch × seq_len; 0: not checked) cannot fill the low-precision GEMMs."""
+    _check_modes(precision, expert_precision)
+    if precision == "bf16":
+        return
+    if tokens % FEATURE_MULTIPLE[precision]:
+        raise ValueError(f"train.precision={precision} needs train.micro_batch × train.seq_len ({tokens}) to be a "
+                         f"multiple of {FEATURE_MULTIPLE[precision]}: the weight gradient's GEMM runs over the tokens "
+                         f"{'in blocks of 32' if precision != 'fp8' else '(inner dim of _scaled_mm)'}")
+    if precision == "mxfp8":
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        if capability is None or capability[0] != 10:
+            where = f"compute capability {capability[0]}.{capability[1]}" if capability else "a CPU"
+            raise ValueError(f"train.precision=mxfp8 needs a compute-capability-10 GPU (B200/GB200), not {where}: "
+                             "use --train.precision=fp8 (Hopper/Ada) or --train.precision=mxfp8-emulated "
+                             "(MXFP8 numerics anywhere, no speed-up)")
+    if precision == "fp8":
+        if device.type != "cuda":
+            raise ValueError("train.precision=fp8 needs a CUDA GPU (compute capability >= 8.9): on a CPU use "
+                             "--train.precision=bf16, or --train.precision=mxfp8-emulated for low-precision numerics")
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ValueError(f"train.precision=fp8 needs compute capability >= 8.9 (Ada, Hopper, Blackwell); this "
+                             f"GPU has {capability[0]}.{capability[1]}: use --train.precision=bf16 or mxfp8-emulated")
+    try:
+        if precision == "fp8":
+            import torchao.float8  # noqa: F401
+        else:
+            import torchao.prototype.moe_training.mxfp8_linear  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"train.precision={precision} needs torchao 0.18 (and numpy): "
+                          f"pip install torchao==0.18.0 numpy ({e})") from e
+    if precision == "fp8" and expert_precision == "low":
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            raise ImportError("train.expert_precision=low with fp8 runs torchao's Triton kernels: pip install "
+                              "triton, or use --train.expert_precision=bf16") from e
+    if precision == "mxfp8" and expert_precision == "low":
+        from torchao.prototype.moe_training import mxfp8_grouped_mm
+        if not mxfp8_grouped_mm._SM100_KERNELS_AVAILABLE:
+            raise ValueError("train.expert_precision=low with mxfp8 needs torchao's SM100 kernels (a CUDA 12.8+ "
+                             "build of torchao), which did not load: use --train.precision=mxfp8-emulated or "
+                             "--train.expert_precision=bf16")
+
+
+def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_recipe: str = "rowwise") -> list[str]:
+    """Convert `model` in place for `precision`; returns the names of the dense linears converted.
+
+    Dense: every nn.Linear outside the output head and the MTP modules whose features divide by
+    FEATURE_MULTIPLE (others stay bf16). Modules are swapped, their weight Parameters kept, so parameter names
+    (FSDP, checkpoints) do not change. Experts (`expert_precision=low`): each `GroupedExperts.grouped_mm` becomes
+    the low-precision one and each dispatcher pads groups to GROUP_ALIGN rows. Works on a meta-device model.
+    """
+    _check_modes(precision, expert_precision, fp8_recipe)
+    if precision == "bf16":
+        return []
+    names = [name for name, m in model.named_modules()
+             if isinstance(m, nn.Linear) and name != "head" and not name.startswith("mtp.")
+             and m.in_features % FEATURE_MULTIPLE[precision] == 0 and m.out_features % FEATURE_MULTIPLE[precision] == 0]
+    if precision == "fp8":
+        convert_to_fp8_training(model, names, fp8_recipe)
+    else:
+        for name in names:
+            parent, _, child = name.rpartition(".")
+            owner = model.get_submodule(parent)
+            setattr(owner, child, to_mxfp8_linear(getattr(owner, child), emulated=precision == "mxfp8-emulated"))
+    if expert_precision == "low":
+        if precision == "fp8":
+            gemm = fp8_rowwise_grouped_mm
+        else:
+            gemm = functools.partial(mxfp8_grouped_mm, emulated=precision == "mxfp8-emulated")
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            dim, inter_dim = moe.experts.w2.shape[1:]
+            if dim % FEATURE_MULTIPLE[precision] or inter_dim % FEATURE_MULTIPLE[precision]:
+                raise ValueError(f"train.expert_precision=low with {precision} needs model.dim ({dim}) and "
+                                 f"model.moe_inter_dim ({inter_dim}) divisible by {FEATURE_MULTIPLE[precision]}: "
+                                 "change them or use --train.expert_precision=bf16")
+            moe.experts.grouped_mm = gemm
+            moe.dispatcher.align = GROUP_ALIGN[precision]
+    return names
+
+
+def convert_to_fp8_training(model: nn.Module, names: list[str], recipe: str) -> None:
+    """Swap the named linears for torchao's Float8Linear (dynamic scaling, e4m3 forward)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if recipe == "tensorwise":  # only tensorwise scales can be all-gathered with the fp8 weights
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    wanted = set(names)
+    convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in wanted, config=config)
+
+
+def precompute_fp8_scales(model: nn.Module) -> None:
+    """Tensorwise fp8 all-gather: the next step's weight scales, in one all-reduce; call after optimizer.step()."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def to_mxfp8_linear(linear: nn.Linear, emulated: bool) -> nn.Linear:
+    """torchao's MXFP8Linear holding `linear`'s own weight (and bias) Parameters."""
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    with torch.device("meta"):
+        mx = MXFP8Linear(linear.in_features, linear.out_features, bias=False,
+                         kernel_preference=KernelPreference.EMULATED if emulated else KernelPreference.AUTO)
+    mx.weight, mx.bias = linear.weight, linear.bias
+    return mx
+
+
+def fp8_rowwise_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Routed-expert GEMM with e4m3 rowwise scales (torchao, CUDA + Triton); groups must be multiples of 16 rows,
+    which the dispatcher guarantees, so torchao's own padding (unsupported in 0.18) stays off."""
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    return _to_fp8_rowwise_then_scaled_grouped_mm(x, w, offsets, out_dtype=x.dtype,
+                                                  pad_token_groups_for_grouped_mm=False)
+
+
+def mxfp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, emulated: bool) -> torch.Tensor:
+    """Routed-expert GEMM in MXFP8 (torchao); groups must be multiples of 32 rows (the dispatcher pads them).
+    Operands are quantized from bf16: fp32 ones (CPU runs) are cast, since the emulated kernel dequantizes to bf16."""
+    from torchao.prototype.moe_training import _to_mxfp8_then_scaled_grouped_mm
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    out = _to_mxfp8_then_scaled_grouped_mm(
+        x.bfloat16(), w.bfloat16(), offsets, out_dtype=torch.bfloat16,
+        kernel_preference=KernelPreference.EMULATED if emulated else KernelPreference.AUTO)
+    return out.to(x.dtype)
