@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dsv3 import checkpoint, parallel, quant
+from dsv3 import checkpoint, deepep, parallel, quant
 from dsv3.config import Config, TrainConfig, load_config
 from dsv3.data import PackedLoader, read_index
 from dsv3.metrics import MetricsLogger, expert_load_stats, flops_per_token, memory_stats, mfu, peak_flops
@@ -111,7 +111,7 @@ def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
     if distributed:
         meshes = parallel.build_meshes(device.type, world, cfg.parallel.ep)
         if cfg.parallel.ep > 1:
-            parallel.apply_expert_parallel(model, meshes)
+            parallel.apply_expert_parallel(model, meshes, cfg.parallel.ep_backend, cfg.parallel.deepep_sms)
     parallel.apply_activation_checkpointing(model, t.activation_checkpoint)
     if t.compile:
         parallel.apply_compile(model)
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     rank, world, device = parallel.init_distributed(t.device)
     quant.check_precision(t.precision, t.expert_precision, device, t.micro_batch * t.seq_len)
     parallel.check_ep(cfg.parallel.ep, world, mcfg.n_routed_experts)
+    parallel.check_ep_backend(cfg.parallel.ep_backend, cfg.parallel.ep, device, cfg.parallel.deepep_sms)
     if t.global_batch % (t.micro_batch * world):
         raise ValueError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch × "
                          f"world size ({t.micro_batch} × {world})")
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.checkpoint.export:
         checkpoint.export(run_dir / "export", model, mcfg)
     logger.close()
+    deepep.close()  # DeepEP's buffer, if any: before the process group goes
     if dist.is_initialized():
         dist.destroy_process_group()
 

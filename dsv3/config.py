@@ -145,6 +145,7 @@ class DataConfig:
 class ParallelConfig:
     ep: int = 1  # expert-parallel degree; divides world size and n_routed_experts
     ep_backend: str = "all_to_all"  # all_to_all | deepep
+    deepep_sms: int = 24  # SMs DeepEP's kernels take (even) when ep_backend = "deepep"; the rest compute
 
 
 @dataclass

@@ -64,6 +64,8 @@ class LocalDispatcher:
       dispatch(x [T, D], topk_idx [T, K], topk_weights [T, K], tokens_per_expert [E] of these tokens)
           -> (expert_x [N, D] grouped by local expert, tokens_per_local_expert [E_local] int64, ctx)
       combine(expert_y [N, D], ctx) -> y [T, D] = Σ_k g_k · expert_y of token t's k-th copy
+      wait(y) -> y, readable: combine may return while its exchange is still in flight (DeepEP), so that
+          the shared experts overlap it; a no-op for the others
       align: every group of expert_x starts at a multiple of it (`pad_groups`); 1 = no padding.
     """
 
@@ -85,6 +87,9 @@ class LocalDispatcher:
         if rows is not None:
             expert_y = expert_y[rows]  # the real rows only
         return combine_token_copies(expert_y, order, topk_weights)
+
+    def wait(self, y: torch.Tensor) -> torch.Tensor:
+        return y
 
 
 def pad_groups(x: torch.Tensor, expert_of_row: torch.Tensor, counts: torch.Tensor, align: int,
@@ -189,8 +194,9 @@ class MoE(nn.Module):
         expert_x, local_tokens_per_expert, ctx = self.dispatcher.dispatch(
             x_flat, routing.topk_idx, routing.topk_weights, tokens_per_expert)
         expert_y = self.experts(expert_x, local_tokens_per_expert)
+        y = self.dispatcher.combine(expert_y, ctx)  # may still be arriving: the shared experts overlap it
         shared = self.shared_experts(x_flat) if self.shared_experts is not None else None
-        y = self.dispatcher.combine(expert_y, ctx)
+        y = self.dispatcher.wait(y)
         if shared is not None:
             y = y + shared
         balance = sequence_balance_loss(routing.scores.view(B, S, -1), routing.topk_idx.view(B, S, -1), self.topk)

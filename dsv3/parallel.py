@@ -1,6 +1,6 @@
 """Distribution, applied from outside the plain model: process group and meshes, the expert-parallel
-all-to-all dispatcher, FSDP2 wrapping, activation checkpointing, per-block compile, and the few
-collectives the trainer needs (gradient norm, expert-load sums).
+all-to-all dispatcher (or dsv3.deepep's), FSDP2 wrapping, activation checkpointing, per-block compile, and the
+few collectives the trainer needs (gradient norm, expert-load sums).
 
 Meshes: dense parameters are `fully_shard`ed over all ranks; routed-expert stacks are sharded Shard(0)
 over `ep` and `fully_shard`ed over `efsdp = world / ep`, both from one 2-D (efsdp, ep) mesh.
@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from dsv3 import deepep
 from dsv3.model import Transformer
 from dsv3.moe import MoE, combine_token_copies, pad_groups
 
@@ -122,6 +123,9 @@ class AllToAllDispatcher:
         sorted_y = _AllToAll.apply(recv_y, send_splits, recv_splits, self.group)
         return combine_token_copies(sorted_y, order, topk_weights)
 
+    def wait(self, y: torch.Tensor) -> torch.Tensor:
+        return y
+
 
 def moe_layers(model: Transformer) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
@@ -131,15 +135,29 @@ def blocks(model: Transformer) -> list[nn.Module]:
     return list(model.layers.values()) + [m.block for m in model.mtp]
 
 
-def apply_expert_parallel(model: Transformer, meshes: Meshes) -> None:
-    """Shard each expert stack Shard(0) over `ep` and hand every MoE the all-to-all dispatcher
+def check_ep_backend(backend: str, ep: int, device: torch.device, deepep_sms: int = 24) -> None:
+    """`parallel.ep_backend=deepep` needs CUDA, an importable deep_ep and ep ∈ {2, 4, 8} on one host."""
+    if backend == "deepep":
+        deepep.check(ep, device, deepep_sms, local_world=int(os.environ.get("LOCAL_WORLD_SIZE", ep)))
+
+
+def apply_expert_parallel(model: Transformer, meshes: Meshes, backend: str = "all_to_all",
+                          deepep_sms: int = 24) -> None:
+    """Shard each expert stack Shard(0) over `ep` and hand every MoE the `backend`'s dispatcher
     (keeping the group alignment that dsv3.quant may have set on the local one)."""
     ep_mesh = meshes.experts["ep"]
+    if backend == "deepep":
+        check_ep_backend(backend, ep_mesh.size(), torch.device(ep_mesh.device_type), deepep_sms)
+        buffer = deepep.get_buffer(ep_mesh.get_group(), model.cfg.dim, deepep_sms)
     for moe in moe_layers(model):
         for name, param in list(moe.experts.named_parameters()):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
             setattr(moe.experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), model.cfg.n_routed_experts, moe.dispatcher.align)
+        if backend == "deepep":
+            moe.dispatcher = deepep.DeepEPDispatcher(buffer, model.cfg.n_routed_experts, moe.dispatcher.align)
+        else:
+            moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), model.cfg.n_routed_experts,
+                                                moe.dispatcher.align)
 
 
 def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
