@@ -152,6 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     if data_vocab > mcfg.vocab_size:
         raise ValueError(f"the data's tokenizer has {data_vocab} tokens but model.vocab_size is "
                          f"{mcfg.vocab_size}: set --model.vocab_size={data_vocab} or re-tokenize the data")
+    if cfg.checkpoint.init_from and not any(Path(cfg.checkpoint.init_from).glob("*.safetensors")):
+        raise FileNotFoundError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no *.safetensors: point it "
+                                f"at an export, or convert an HF model with scripts/convert_hf.py --to-dsv3")
     loader = PackedLoader(cfg.data.path, "train", t.seq_len, rank, world, seed=t.seed)
     PackedLoader(cfg.data.path, "val", t.seq_len)  # fail now, not at the first validation
 
@@ -167,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         loader.load_state_dict(state["data"])
         if rank == 0:
             print(f"resumed from {found[-1]} at step {start_step}")
+    elif cfg.checkpoint.init_from:
+        checkpoint.load_weights(cfg.checkpoint.init_from, model)
 
     logger = MetricsLogger(str(run_dir), asdict(cfg), enabled=rank == 0, use_wandb=cfg.log.wandb,
                            project=cfg.log.project, run_name=cfg.log.run_name, total_steps=t.steps)
@@ -217,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
             logger.log(step, metrics)
         if t.val_every and (step % t.val_every == 0 or step == t.steps):
             logger.log(step, {"val_loss": evaluate(model, cfg, rank, world, device)})
-        if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps:
+        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == t.steps):
             flush()  # never save over the last good checkpoint with a diverged model
             checkpoint.save(run_dir, step, model, optimizer, {"step": step, "data": loader.state_dict()},
                             cfg.checkpoint.keep)

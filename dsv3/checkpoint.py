@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -76,6 +77,23 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
     return state["train"]
+
+
+def load_weights(path: str | Path, model: nn.Module) -> None:
+    """Initialise the (possibly sharded) model from a dsv3 safetensors directory; each rank reads only
+    the slices it holds, so a 671B import never passes through one process."""
+    state = get_model_state_dict(model)
+    on_disk = set()
+    for file in Path(path).glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            on_disk |= set(f.keys())
+    missing, unexpected = sorted(state.keys() - on_disk), sorted(on_disk - state.keys())
+    if missing or unexpected:
+        raise ValueError(f"checkpoint.init_from={path} does not fit this model: missing {missing[:10]} "
+                         f"({len(missing)}), unexpected {unexpected[:10]} ({len(unexpected)}); check the flavor "
+                         f"and [model] overrides against its config.json")
+    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
+    set_model_state_dict(model, state)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -151,10 +151,11 @@ class ParallelConfig:
 @dataclass
 class CheckpointConfig:
     dir: str = "runs/debug"
-    every: int = 0  # 0: only at the end
+    every: int = 1000  # save every N steps and at the end; 0: never (benchmarks)
     keep: int = 3
     resume: bool = False
     export: bool = True  # safetensors + config.json at the end
+    init_from: str = ""  # start from these weights: a dsv3 safetensors dir (an export, or convert_hf.py --to-dsv3)
 
 
 @dataclass

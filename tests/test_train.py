@@ -137,6 +137,22 @@ def test_export_loads_into_a_fresh_model_and_matches_the_last_checkpoint(learned
         torch.testing.assert_close(exported.eval()(tokens), trained.eval()(tokens), rtol=0, atol=0)
 
 
+def test_init_from_starts_from_exported_weights(learned, tmp_path):
+    # lr 0 and no bias update: one step must leave the imported weights exactly as they were
+    weights = f"--checkpoint.init_from={learned / 'export'}"
+    with pytest.raises(ValueError, match=r"does not fit this model: missing \[\] \(0\), unexpected \['layers.2"):
+        run(tmp_path / "smaller", *TINY, weights)  # TINY has 2 layers, the export 3
+    rows = run(tmp_path, *TINY[1:], "--train.steps=1", "--train.lr=0", "--train.bias_update_speed=0", weights,
+               "--checkpoint.every=0", "--checkpoint.export=true")
+    assert rows[1]["loss"] < math.log(4096) - 1.5  # a trained model, not a fresh one
+    assert checkpoint.checkpoints(tmp_path) == []  # every=0: no checkpoints at all
+    before = load_file(learned / "export" / "model.safetensors")
+    after = load_file(tmp_path / "export" / "model.safetensors")
+    assert before.keys() == after.keys()
+    for name, value in before.items():
+        torch.testing.assert_close(after[name], value, rtol=0, atol=0, msg=name)
+
+
 # --- resume, crashes, divergence --------------------------------------------------------------------
 
 # warmup (steps 1-2) → constant (3-4) → cosine (5-8), batch 2 → 4 over steps 1-3, MTP λ switches at 5
@@ -238,8 +254,9 @@ def test_nan_loss_stops_before_any_later_checkpoint(data, tmp_path, monkeypatch,
      r"global_batch \(12\) must be a multiple of train.micro_batch"),
     (["--train.seq_len=512"], ValueError, r"seq_len \(512\) exceeds model.max_seq_len \(256\)"),
     (["--parallel.ep=2"], ValueError, "parallel.ep=2 must divide the world size 1"),
+    (["--checkpoint.init_from=/nonexistent/weights"], FileNotFoundError, r"holds no \*.safetensors"),
 ], ids=["flavor", "key", "model-key", "no-value", "no-dashes", "type", "data", "vocab", "batch", "seq-len",
-        "ep"])
+        "ep", "init-from"])
 def test_bad_input_is_a_clear_error_before_the_model_is_built(data, tmp_path, monkeypatch, overrides, error,
                                                                 message):
     def build_model(*args, **kwargs):
