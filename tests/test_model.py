@@ -125,6 +125,24 @@ def test_flavor_builds_on_meta_with_its_nominal_parameter_count(flavor, expected
     assert len(model.mtp) == FLAVORS[flavor].n_mtp_layers
 
 
+@pytest.mark.parametrize("flavor,activated,mtp_module", [("671B", 37e9, 14e9), ("16B", 2.4e9, None)])
+def test_flavor_activates_its_nominal_parameters_per_token(flavor, activated, mtp_module):
+    """Activated = every matmul weight a token touches: all but the embedding lookup, routed experts at K/E.
+    The published figures are rounded (37B, 2.4B, 14B), hence 3% and 5%; MTP's 14B counts the embedding and
+    head copies that released checkpoints store in the MTP layer."""
+    cfg = FLAVORS[flavor]
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    params = {name: p.numel() for name, p in model.named_parameters()}
+    main = {name: n for name, n in params.items() if not name.startswith("mtp.")}
+    routed = sum(n for name, n in main.items() if ".experts." in name)
+    per_token = sum(main.values()) - main["embed.weight"] - routed * (1 - cfg.n_activated_experts / cfg.n_routed_experts)
+    assert abs(per_token - activated) / activated < 0.03
+    if mtp_module:
+        mtp = sum(n for name, n in params.items() if name.startswith("mtp.")) + main["embed.weight"] + main["head.weight"]
+        assert abs(mtp - mtp_module) / mtp_module < 0.05
+
+
 def check_initialised(model: Transformer) -> None:
     cfg = model.cfg
     big = [model.head.weight, model.embed.weight, model.layers["1"].ffn.experts.w13, model.layers["0"].ffn.w1.weight]
