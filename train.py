@@ -80,15 +80,17 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torc
 
 @torch.no_grad()
 def evaluate(model: Transformer, cfg: Config, rank: int, world: int, device: torch.device) -> float:
-    """Main-head loss over the first val_batches batches of the validation split (same on every call)."""
+    """Main-head loss over the first val_batches × global_batch sequences of the validation split: the same
+    sequences on every call and at every world size, so val losses of differently sharded runs compare."""
+    t = cfg.train
     model.eval()
-    loader = PackedLoader(cfg.data.path, "val", cfg.train.seq_len, rank, world, shuffle=False)
+    loader = PackedLoader(cfg.data.path, "val", t.seq_len, rank, world, shuffle=False)
     total = torch.zeros((), device=device)
-    for _ in range(cfg.train.val_batches):
-        batch = loader.next_batch(cfg.train.micro_batch * world).to(device)
-        total += model(batch[:, :-1], batch[:, 1:]).loss
+    for _ in range(t.val_batches):
+        for micro in loader.next_batch(t.global_batch).to(device).split(t.micro_batch):
+            total += model(micro[:, :-1], micro[:, 1:]).loss * micro.size(0)
     model.train()
-    return parallel.all_reduce_sum(total).item() / (cfg.train.val_batches * world)
+    return parallel.all_reduce_sum(total).item() / (t.val_batches * t.global_batch)
 
 
 def build_optimizer(model: Transformer, t: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -231,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     logger.close()
     deepep.close()  # DeepEP's buffer, if any: before the process group goes
     if dist.is_initialized():
+        dist.barrier()  # no rank tears the group down while another still talks to it
         dist.destroy_process_group()
 
 

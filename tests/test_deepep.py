@@ -255,6 +255,7 @@ def _gpu_worker(rank: int, world: int, port: int, case: str, out_path: str) -> N
         rel = {n: (d / r.clamp_min(1e-30)).sqrt().item() for n, (d, r) in zip(ref, sq)}
         torch.save({"rel_grad": rel, "losses": {b: r["losses"] for b, r in runs.items()}}, out_path)
     deepep.close()
+    dist.barrier()  # no rank tears the group down while another still talks to it
     dist.destroy_process_group()
 
 

@@ -60,6 +60,7 @@ def _worker(rank: int, world: int, ep: int, port: int, out_path: str) -> None:
     result = _run(model, _batches(), rank, world)
     if rank == 0:
         torch.save(result, out_path)
+    dist.barrier()  # no rank tears the group down while another still talks to it
     dist.destroy_process_group()
 
 

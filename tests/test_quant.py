@@ -257,6 +257,7 @@ def _ep_worker(rank: int, world: int, port: int, out_path: str) -> None:
         errors[name] = (grad - expected).abs().max().item()
     if rank == 0:
         torch.save(errors, out_path)
+    dist.barrier()  # no rank tears the group down while another still talks to it
     dist.destroy_process_group()
 
 

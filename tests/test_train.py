@@ -103,8 +103,8 @@ def test_debug_model_learns_bundled_corpus(learned):
     val = {step: row["val_loss"] for step, row in rows.items() if "val_loss" in row}
     assert sorted(val) == [25, 50, 75, 100]
     first, final = val[25], val[100]
-    # micro_batch 8 × val_batches 4 sequences of the val split, as configs/debug.toml sets them
-    unigram = unigram_val_loss(128, 8 * 4)
+    # global_batch 16 × val_batches 4 sequences of the val split, as configs/debug.toml sets them
+    unigram = unigram_val_loss(128, 16 * 4)
     # measured: uniform 8.32 → unigram plateau ≈ 6.8 by step 25 → 6.07 at step 100 (unigram 6.9)
     assert final < math.log(4096) - 2.0, val
     assert final < unigram - 0.5, (val, unigram)
