@@ -1,3 +1,5 @@
+import os
+import socket
 import sys
 from pathlib import Path
 
@@ -19,3 +21,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def data() -> Path:
+    """The bundled corpus (`python scripts/prepare_data.py`), written here if a checkout lacks it."""
+    corpus = ROOT / "data" / "stdlib"
+    if not (corpus / "val" / "index.json").is_file():
+        from scripts.prepare_data import prepare
+        prepare(None, str(ROOT / "data" / "tokenizer.model"), str(corpus), num_threads=os.cpu_count(),
+                progress=False)
+    return corpus
+
+
+def free_port() -> int:
+    """A free TCP port for a spawned process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

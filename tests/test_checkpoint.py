@@ -4,7 +4,6 @@ parallelism over 2) resumes at world 2 and world 1 and continues the 4-rank run 
 import json
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch.multiprocessing as mp
 
 import train
 from dsv3 import checkpoint
+from conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "stdlib"
@@ -26,22 +26,6 @@ ARGS = ["--config", str(ROOT / "configs" / "debug.toml"), f"--data.path={DATA}",
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-@pytest.fixture(scope="session")
-def data() -> Path:
-    """The bundled corpus (`python scripts/prepare_data.py`), written here if a checkout lacks it."""
-    if not (DATA / "val" / "index.json").is_file():
-        from scripts.prepare_data import prepare
-        prepare(None, str(ROOT / "data" / "tokenizer.model"), str(DATA), num_threads=os.cpu_count(),
-                progress=False)
-    return DATA
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, world: int, port: int, argv: list[str]) -> None:
     """One rank of `torchrun --nproc_per_node=world train.py argv`."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -54,7 +38,7 @@ def launch(world: int, argv: list[str]) -> None:
         assert "WORLD_SIZE" not in os.environ
         train.main(argv)
     else:
-        mp.spawn(_rank_main, args=(world, _free_port(), argv), nprocs=world)
+        mp.spawn(_rank_main, args=(world, free_port(), argv), nprocs=world)
 
 
 def metrics(run_dir: Path) -> dict[int, dict]:

@@ -5,7 +5,6 @@ and (GPU, ≥ 2 GPUs with deep_ep) training parity with the all-to-all backend."
 import copy
 import importlib.util
 import os
-import socket
 import sys
 from types import SimpleNamespace
 
@@ -19,6 +18,7 @@ from dsv3 import deepep, parallel
 from dsv3.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from dsv3.deepep import DeepEPDispatcher, expert_rows, reduce_expert_rows
 from dsv3.moe import GroupedExperts, LocalDispatcher, MoE
+from conftest import free_port
 
 E, K, D, INTER, T = 8, 3, 16, 32, 12  # experts, top-k, dim, expert hidden, tokens per rank
 
@@ -259,19 +259,13 @@ def _gpu_worker(rank: int, world: int, port: int, case: str, out_path: str) -> N
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2
                     or importlib.util.find_spec("deep_ep") is None, reason="needs 2 GPUs and deep_ep")
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_deepep_matches_all_to_all_on_gpus(case, tmp_path):
     out = tmp_path / "rank0.pt"
-    mp.spawn(_gpu_worker, args=(2, _free_port(), case, str(out)), nprocs=2)
+    mp.spawn(_gpu_worker, args=(2, free_port(), case, str(out)), nprocs=2)
     got = torch.load(out)
     losses = got["losses"]
     worst = max(got["rel_grad"].items(), key=lambda kv: kv[1])

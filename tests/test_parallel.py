@@ -1,7 +1,6 @@
 """FSDP2 + expert parallelism on real gloo process groups: sharded runs match the single-process run."""
 
 import os
-import socket
 from dataclasses import replace
 
 import pytest
@@ -13,6 +12,7 @@ from dsv3 import parallel
 from dsv3.config import FLAVORS, TrainConfig
 from dsv3.model import Transformer
 from train import build_optimizer, train_step
+from conftest import free_port
 
 CFG = replace(FLAVORS["debug"], n_layers=3, max_seq_len=32)
 TRAIN = TrainConfig(global_batch=8, micro_batch=2, seq_len=32, lr=1e-3, warmup_steps=0, steps=3)
@@ -64,12 +64,6 @@ def _worker(rank: int, world: int, ep: int, port: int, out_path: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def reference() -> dict:
     torch.manual_seed(0)
@@ -79,7 +73,7 @@ def reference() -> dict:
 @pytest.mark.parametrize("world,ep", [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4)])
 def test_sharded_training_matches_single_process(world, ep, reference, tmp_path):
     out = tmp_path / "rank0.pt"
-    mp.spawn(_worker, args=(world, ep, _free_port(), str(out)), nprocs=world)
+    mp.spawn(_worker, args=(world, ep, free_port(), str(out)), nprocs=world)
     got = torch.load(out)
     torch.testing.assert_close(got["losses"], reference["losses"], rtol=1e-5, atol=1e-5)
     for name, grad in reference["grads"].items():

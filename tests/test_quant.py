@@ -5,7 +5,6 @@ checks; on a GPU, short training runs in each mode."""
 import copy
 import json
 import os
-import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +20,7 @@ from dsv3 import parallel, quant
 from dsv3.config import FLAVORS
 from dsv3.model import RMSNorm, Transformer
 from dsv3.moe import GroupedExperts, MoE, Router, grouped_mm, pad_groups
+from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = FLAVORS["debug"]  # every dim a multiple of 32: each precision converts every eligible linear
@@ -262,11 +262,8 @@ def _ep_worker(rank: int, world: int, port: int, out_path: str) -> None:
 
 
 def test_all_to_all_dispatcher_keeps_the_alignment_and_matches_one_process(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "errors.pt"
-    mp.spawn(_ep_worker, args=(2, port, str(out)), nprocs=2)
+    mp.spawn(_ep_worker, args=(2, free_port(), str(out)), nprocs=2)
     errors = torch.load(out)
     assert errors.pop("aligns") == [32]
     assert max(errors.values()) < 1e-5, errors

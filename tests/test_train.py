@@ -29,16 +29,6 @@ TINY = ["--model.n_layers=2", "--train.seq_len=32", "--train.global_batch=4", "-
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-@pytest.fixture(scope="session")
-def data() -> Path:
-    """The bundled corpus (`python scripts/prepare_data.py`), written here if a checkout lacks it."""
-    if not (DATA / "val" / "index.json").is_file():
-        from scripts.prepare_data import prepare
-        prepare(None, str(ROOT / "data" / "tokenizer.model"), str(DATA), num_threads=os.cpu_count(),
-                progress=False)
-    return DATA
-
-
 def run(run_dir: Path, *overrides: str) -> dict[int, dict]:
     """train.py on the debug config and the bundled corpus, metrics logged every step; returns them by step."""
     train.main(["--config", CONFIG, f"--data.path={DATA}", f"--checkpoint.dir={run_dir}", "--log.every=1",
