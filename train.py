@@ -179,15 +179,15 @@ def main(argv: list[str] | None = None) -> None:
                            project=cfg.log.project, run_name=cfg.log.run_name, total_steps=t.steps)
     flops = flops_per_token(mcfg, t.seq_len)
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    pending: list[tuple[int, torch.Tensor, int]] = []  # (step, [main, mtp, bal, gnorm], tokens): no sync
+    pending: list[tuple[int, torch.Tensor]] = []  # (step, [main, mtp, bal, gnorm] on device): no sync yet
     last_good = start_step
     clock, tokens_since = time.perf_counter(), 0
 
-    def flush() -> None:
-        """One host sync for all steps since the last: stop on the first non-finite loss."""
+    def flush() -> list[float] | None:
+        """One host sync for all steps since the last: stop on the first non-finite loss; the last step's values."""
         nonlocal last_good
-        values = torch.stack([v for _, v, _ in pending]).tolist() if pending else []
-        for (step, _, _), row in zip(pending, values):
+        values = torch.stack([v for _, v in pending]).tolist() if pending else []
+        for (step, _), row in zip(pending, values):
             for name, value in zip(("loss", "mtp_loss", "balance_loss", "grad_norm"), row):
                 if not math.isfinite(value):
                     raise FloatingPointError(f"{name} is {value} at step {step}; the last good checkpoint "
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         global_batch = batch_at(step, t, world)
         batch = loader.next_batch(global_batch).to(device, non_blocking=True)
         values, tokens_per_expert = train_step(model, optimizer, batch, t, step)
-        pending.append((step, values, global_batch * t.seq_len))
+        pending.append((step, values))
         tokens_since += global_batch * t.seq_len
 
         if step % cfg.log.every == 0 or step == t.steps:
