@@ -74,7 +74,8 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torc
     # every rank must hold the same expert bias: sum the counts over the whole global batch first
     tokens_per_expert = parallel.all_reduce_sum(tokens_per_expert)
     update_expert_bias(model.routers(), tokens_per_expert, t.bias_update_speed)
-    losses = parallel.all_reduce_sum(losses / len(micro_batches)) / (dist.get_world_size() if dist.is_initialized() else 1)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    losses = parallel.all_reduce_sum(losses / len(micro_batches)) / world
     return torch.cat([losses, grad_norm.reshape(1).float()]), tokens_per_expert
 
 

@@ -133,7 +133,8 @@ def _wandb_mode() -> str | None:
 def _console_line(step: int, m: dict[str, float], total_steps: int | None, eta_s: float | None) -> str:
     parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
     losses = [f"{label} {m[key]:{fmt}}" for key, label, fmt in
-              (("loss", "loss", ".3f"), ("mtp_loss", "mtp", ".3f"), ("balance_loss", "bal", ".3g"), ("val_loss", "val", ".3f")) if key in m]
+              (("loss", "loss", ".3f"), ("mtp_loss", "mtp", ".3f"), ("balance_loss", "bal", ".3g"),
+               ("val_loss", "val", ".3f")) if key in m]
     if losses:
         parts.append(" ".join(losses))
     if "lr" in m:

@@ -1,3 +1,4 @@
+import json
 import os
 import socket
 import sys
@@ -39,3 +40,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict]:
+    """A run's metrics.jsonl by step; a later line for the same step (a resumed run's) wins."""
+    by_step: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_step.setdefault(row.pop("step"), {}).update(row)
+    return by_step

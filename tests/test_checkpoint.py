@@ -1,7 +1,6 @@
 """Resharded resume on real gloo process groups: a checkpoint written by 4 ranks (FSDP2 + expert
 parallelism over 2) resumes at world 2 and world 1 and continues the 4-rank run loss for loss."""
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -11,7 +10,7 @@ import torch.multiprocessing as mp
 
 import train
 from dsv3 import checkpoint
-from conftest import free_port
+from conftest import free_port, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "stdlib"
@@ -41,14 +40,6 @@ def launch(world: int, argv: list[str]) -> None:
         mp.spawn(_rank_main, args=(world, free_port(), argv), nprocs=world)
 
 
-def metrics(run_dir: Path) -> dict[int, dict]:
-    by_step: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        by_step.setdefault(row.pop("step"), {}).update(row)
-    return by_step
-
-
 @pytest.fixture(scope="module")
 def world4(data, tmp_path_factory) -> Path:
     """The uninterrupted reference: world 4, ep 2, checkpoints at steps 3 and 6."""
@@ -63,7 +54,7 @@ def test_world4_checkpoint_resumes_at_another_world_size(world4, tmp_path, world
     shutil.copytree(world4 / f"step-{SAVED_AT}", tmp_path / f"step-{SAVED_AT}")
     launch(world, [*ARGS, f"--parallel.ep={ep}", f"--checkpoint.dir={tmp_path}", "--resume"])
 
-    reference, resumed = metrics(world4), metrics(tmp_path)
+    reference, resumed = read_metrics(world4), read_metrics(tmp_path)
     assert sorted(resumed) == list(range(SAVED_AT + 1, STEPS + 1))
     for step in resumed:
         assert resumed[step]["lr"] == reference[step]["lr"]

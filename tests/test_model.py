@@ -55,7 +55,7 @@ def test_training_call_returns_main_mtp_and_balance_losses_separately():
 
     assert isinstance(out, TrainOutput)
     assert out.loss.shape == () and out.balance_loss.shape == ()
-    assert len(out.mtp_losses) == 2 and all(l.shape == () and torch.isfinite(l) for l in out.mtp_losses)
+    assert len(out.mtp_losses) == 2 and all(x.shape == () and torch.isfinite(x) for x in out.mtp_losses)
     torch.testing.assert_close(out.loss, F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()))
     # N(0, 0.006) init: logits are nearly flat, so every cross-entropy starts near ln(vocab)
     for loss in [out.loss, *out.mtp_losses]:
@@ -136,10 +136,12 @@ def test_flavor_activates_its_nominal_parameters_per_token(flavor, activated, mt
     params = {name: p.numel() for name, p in model.named_parameters()}
     main = {name: n for name, n in params.items() if not name.startswith("mtp.")}
     routed = sum(n for name, n in main.items() if ".experts." in name)
-    per_token = sum(main.values()) - main["embed.weight"] - routed * (1 - cfg.n_activated_experts / cfg.n_routed_experts)
+    idle_routed = routed * (1 - cfg.n_activated_experts / cfg.n_routed_experts)
+    per_token = sum(main.values()) - main["embed.weight"] - idle_routed
     assert abs(per_token - activated) / activated < 0.03
     if mtp_module:
-        mtp = sum(n for name, n in params.items() if name.startswith("mtp.")) + main["embed.weight"] + main["head.weight"]
+        copies = main["embed.weight"] + main["head.weight"]
+        mtp = sum(n for name, n in params.items() if name.startswith("mtp.")) + copies
         assert abs(mtp - mtp_module) / mtp_module < 0.05
 
 

@@ -177,7 +177,8 @@ def test_bucketed_buffers_take_few_sizes_for_varying_token_counts():
     for n in range(2000, 4000):
         counts = torch.tensor([n - 15, 0, 12, 3])
         x = torch.ones(n, 1)
-        padded_x, padded_counts, rows = pad_groups(x, torch.arange(4).repeat_interleave(counts), counts, 32, bucket=True)
+        expert_of_row = torch.arange(4).repeat_interleave(counts)
+        padded_x, padded_counts, rows = pad_groups(x, expert_of_row, counts, 32, bucket=True)
         exact = -(-(n + 4 * 31) // 32) * 32
         assert exact <= padded_x.size(0) <= exact * 17 / 16 and padded_x.size(0) % 32 == 0
         assert padded_counts.sum().item() == padded_x.size(0) and (padded_counts % 32 == 0).all()

@@ -16,6 +16,7 @@ import train
 from dsv3 import checkpoint
 from dsv3.config import FLAVORS, ModelConfig, TrainConfig
 from dsv3.model import Transformer
+from conftest import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "configs" / "debug.toml")
@@ -33,16 +34,7 @@ def run(run_dir: Path, *overrides: str) -> dict[int, dict]:
     """train.py on the debug config and the bundled corpus, metrics logged every step; returns them by step."""
     train.main(["--config", CONFIG, f"--data.path={DATA}", f"--checkpoint.dir={run_dir}", "--log.every=1",
                 *overrides])
-    return metrics(run_dir)
-
-
-def metrics(run_dir: Path) -> dict[int, dict]:
-    """metrics.jsonl by step; a later line for the same step (a resumed run's) wins."""
-    by_step: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        by_step.setdefault(row.pop("step"), {}).update(row)
-    return by_step
+    return read_metrics(run_dir)
 
 
 def stop_at(monkeypatch: pytest.MonkeyPatch, at_step: int, action) -> None:
@@ -89,7 +81,7 @@ def unigram_val_loss(seq_len: int, n_sequences: int) -> float:
 
 
 def test_debug_model_learns_bundled_corpus(learned):
-    rows = metrics(learned)
+    rows = read_metrics(learned)
     val = {step: row["val_loss"] for step, row in rows.items() if "val_loss" in row}
     assert sorted(val) == [25, 50, 75, 100]
     first, final = val[25], val[100]
@@ -200,7 +192,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(data, tmp_path, monkeypatch, f
     with pytest.raises(OSError, match="No space left"):
         run(tmp_path, *args)
     monkeypatch.undo()
-    before_crash = metrics(tmp_path)  # steps 1-4 were logged before step 4's save
+    before_crash = read_metrics(tmp_path)  # steps 1-4 were logged before step 4's save
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-2"]
     assert (tmp_path / "step-4.tmp").is_dir()
 
