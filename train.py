@@ -102,6 +102,17 @@ def build_optimizer(model: Transformer, t: TrainConfig, device: torch.device) ->
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device.type == "cuda")
 
 
+def check_setup(cfg: Config, world: int, device: torch.device) -> None:
+    """What this machine and world size must satisfy before a model is built: precision, EP, batch."""
+    t, p = cfg.train, cfg.parallel
+    quant.check_precision(t.precision, t.expert_precision, device, t.micro_batch * t.seq_len)
+    parallel.check_ep(p.ep, world, cfg.model_config().n_routed_experts)
+    parallel.check_ep_backend(p.ep_backend, p.ep, device, p.deepep_sms)
+    if t.global_batch % (t.micro_batch * world):
+        raise ValueError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch × "
+                         f"world size ({t.micro_batch} × {world})")
+
+
 def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
     """Build → low precision (dsv3.quant) → EP → activation checkpointing → compile → FSDP2, then materialise.
     On CUDA the model is built on the meta device so only this rank's shards are ever allocated."""
@@ -145,12 +156,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Check every input before anything expensive is built.
     rank, world, device = parallel.init_distributed(t.device)
-    quant.check_precision(t.precision, t.expert_precision, device, t.micro_batch * t.seq_len)
-    parallel.check_ep(cfg.parallel.ep, world, mcfg.n_routed_experts)
-    parallel.check_ep_backend(cfg.parallel.ep_backend, cfg.parallel.ep, device, cfg.parallel.deepep_sms)
-    if t.global_batch % (t.micro_batch * world):
-        raise ValueError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch × "
-                         f"world size ({t.micro_batch} × {world})")
+    check_setup(cfg, world, device)
     data_vocab = read_index(Path(cfg.data.path) / "train")["vocab_size"]
     if data_vocab > mcfg.vocab_size:
         raise ValueError(f"the data's tokenizer has {data_vocab} tokens but model.vocab_size is "

@@ -4,8 +4,6 @@ at 2 or 1) and the final safetensors export. A checkpoint is written to `step-N.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import re
 import shutil
@@ -23,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from dsv3.config import ModelConfig
+from dsv3.hf import save_config
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -111,6 +110,6 @@ def export(out_dir: str | Path, model: nn.Module, cfg: ModelConfig) -> None:
         tensors = {k: v.contiguous() for k, v in state.items()}
         save_file(tensors, out_dir / "model.safetensors.tmp")
         os.replace(out_dir / "model.safetensors.tmp", out_dir / "model.safetensors")
-        (out_dir / "config.json.tmp").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        save_config(cfg, out_dir / "config.json.tmp")
         os.replace(out_dir / "config.json.tmp", out_dir / "config.json")
     _barrier()

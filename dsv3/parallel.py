@@ -146,8 +146,7 @@ def apply_expert_parallel(model: Transformer, meshes: Meshes, backend: str = "al
     """Shard each expert stack Shard(0) over `ep` and hand every MoE the `backend`'s dispatcher
     (keeping the group alignment that dsv3.quant may have set on the local one)."""
     ep_mesh = meshes.experts["ep"]
-    if backend == "deepep":
-        check_ep_backend(backend, ep_mesh.size(), torch.device(ep_mesh.device_type), deepep_sms)
+    if backend == "deepep":  # check_ep_backend ran at start-up
         buffer = deepep.get_buffer(ep_mesh.get_group(), model.cfg.dim, deepep_sms)
     for moe in moe_layers(model):
         for name, param in list(moe.experts.named_parameters()):

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
 from dsv3 import parallel  # noqa: E402
 from dsv3.config import load_config  # noqa: E402
-from dsv3.metrics import flops_per_token, mfu, peak_flops  # noqa: E402
+from dsv3.metrics import flops_per_token, memory_stats, mfu, peak_flops  # noqa: E402
 
 # First match wins: kernel-name fragments (lower case) → phase.
 PHASES = [
@@ -55,7 +55,7 @@ def main() -> None:
     cfg = load_config(args.config, overrides)
     mcfg, t = cfg.model_config(), cfg.train
     rank, world, device = parallel.init_distributed(t.device)
-    parallel.check_ep(cfg.parallel.ep, world, mcfg.n_routed_experts)
+    train.check_setup(cfg, world, device)
     model = train.build_model(cfg, world, device)
     optimizer = train.build_optimizer(model, t, device)
     local_batch = t.global_batch // world
@@ -87,7 +87,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "step_ms": 1e3 * step_s, "tokens_per_s_per_gpu": tokens_per_s_per_gpu,
         "mfu": mfu(flops, tokens_per_s_per_gpu, 1, peak) if peak else None,
-        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "peak_memory_gib": memory_stats().get("memory/peak_allocated_gib"),
         "gflop_per_token": flops / 1e9,
     }
 
