@@ -120,7 +120,7 @@ def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
     torch.manual_seed(t.seed)
     with torch.device("meta" if device.type == "cuda" else device):
         model = Transformer(mcfg)
-    quant.apply(model, t.precision, t.expert_precision, t.fp8_recipe)
+    quant.apply(model, t.precision, t.expert_precision, t.fp8_recipe, t.precision_skip)
     distributed = world > 1 or device.type == "cuda"
     if distributed:
         meshes = parallel.build_meshes(device.type, world, cfg.parallel.ep)

@@ -127,6 +127,7 @@ class TrainConfig:
     precision: str = "bf16"  # bf16 | fp8 | mxfp8 | mxfp8-emulated
     expert_precision: str = "bf16"  # bf16 | low (the `precision` path for the routed experts)
     fp8_recipe: str = "rowwise"  # rowwise | tensorwise (tensorwise all-gathers fp8 under FSDP2)
+    precision_skip: list[str] = field(default_factory=list)  # dense linears whose name contains one stay bf16
     compile: bool = False  # torch.compile each block
     activation_checkpoint: str = "none"  # none | full | selective
     val_every: int = 100
@@ -213,6 +214,8 @@ def _typed(section: str, key: str, value: Any, current: Any) -> Any:
         value = float(value)
     if type(value) is not type(current):
         raise ValueError(f"{section}.{key} must be a {type(current).__name__}, got {value!r}")
+    if isinstance(value, list) and not all(isinstance(item, str) for item in value):
+        raise ValueError(f"{section}.{key} must be a list of strings, got {value!r}")
     return value
 
 

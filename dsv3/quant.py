@@ -95,11 +95,12 @@ def check_precision(precision: str, expert_precision: str, device: torch.device,
                              "--train.expert_precision=bf16")
 
 
-def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_recipe: str = "rowwise") -> list[str]:
+def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_recipe: str = "rowwise",
+          skip: list[str] = ()) -> list[str]:
     """Convert `model` in place for `precision`; returns the names of the dense linears converted.
 
     Dense: every nn.Linear outside the output head and the MTP modules whose features divide by
-    FEATURE_MULTIPLE (others stay bf16). Modules are swapped, their weight Parameters kept, so parameter names
+    FEATURE_MULTIPLE and whose name contains none of `skip` (e.g. "attn", "shared_experts"); others stay bf16. Modules are swapped, their weight Parameters kept, so parameter names
     (FSDP, checkpoints) do not change. Experts (`expert_precision=low`): each `GroupedExperts.grouped_mm` becomes
     the low-precision one and each dispatcher pads groups to GROUP_ALIGN rows. Works on a meta-device model.
     """
@@ -108,7 +109,8 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
         return []
     names = [name for name, m in model.named_modules()
              if isinstance(m, nn.Linear) and name != "head" and not name.startswith("mtp.")
-             and m.in_features % FEATURE_MULTIPLE[precision] == 0 and m.out_features % FEATURE_MULTIPLE[precision] == 0]
+             and m.in_features % FEATURE_MULTIPLE[precision] == 0 and m.out_features % FEATURE_MULTIPLE[precision] == 0
+             and not any(fragment in name for fragment in skip)]
     if precision == "fp8":
         convert_to_fp8_training(model, names, fp8_recipe)
     else:

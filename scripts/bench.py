@@ -30,6 +30,8 @@ PHASES = [
     ("loss", ("softmax", "nll_loss", "cross_entropy", "logsumexp", "chunk_loss")),
     ("expert GEMMs", ("grouped", "group_gemm", "ptrarray", "groupproblem")),
     ("dense GEMMs", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")),
+    # torchao's scale-and-cast kernels, and inductor's fusions of them (rowwise scales: amax → exp2(floor(log2)))
+    ("fp8 quantize", ("fp8", "amax", "exp2_floor_log2")),
     ("routing + permutation", ("sort", "topk", "radix", "scatter", "gather", "index", "cumsum", "bmm")),
     ("communication", ("nccl", "all_gather", "reduce_scatter", "alltoall")),
 ]

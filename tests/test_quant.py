@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv3 import parallel, quant
-from dsv3.config import FLAVORS
+from dsv3.config import FLAVORS, load_config
 from dsv3.model import RMSNorm, Transformer
 from dsv3.moe import GroupedExperts, MoE, Router, grouped_mm, pad_groups
 from conftest import free_port
@@ -76,6 +76,18 @@ def test_only_trunk_linears_are_converted_and_names_are_unchanged(precision, exp
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         assert moe.dispatcher.align == (quant.GROUP_ALIGN[precision] if low else 1)
         assert (moe.experts.grouped_mm is grouped_mm) != low
+
+
+def test_precision_skip_keeps_the_named_linears_bf16():
+    cfg = load_config(None, ['--train.precision_skip=["attn", "shared_experts"]'])
+    model = Transformer(CFG)
+    linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)} - MTP_AND_HEAD
+
+    converted = quant.apply(model, "mxfp8-emulated", "bf16", skip=cfg.train.precision_skip)
+
+    kept = {n for n in linears if ".attn." in n or ".shared_experts." in n}
+    assert kept and converted and set(converted) == linears - kept
+    assert all(type(model.get_submodule(n)) is nn.Linear for n in kept)
 
 
 def test_bf16_changes_nothing():
