@@ -101,8 +101,9 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
 
     Dense: every nn.Linear outside the output head and the MTP modules whose features divide by
     FEATURE_MULTIPLE and whose name contains none of `skip` (e.g. "attn", "shared_experts"); others stay bf16.
-    Modules are swapped, their weight Parameters kept, so parameter names (FSDP, checkpoints) do not change. Experts (`expert_precision=low`): each `GroupedExperts.grouped_mm` becomes
-    the low-precision one and each dispatcher pads groups to GROUP_ALIGN rows. Works on a meta-device model.
+    Modules are swapped, their weight Parameters kept, so parameter names (FSDP, checkpoints) do not change.
+    Experts (`expert_precision=low`): each `GroupedExperts.grouped_mm` becomes the low-precision one and each
+    dispatcher pads groups to GROUP_ALIGN rows. Works on a meta-device model.
     """
     _check_modes(precision, expert_precision, fp8_recipe)
     if precision == "bf16":
