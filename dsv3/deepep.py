@@ -112,7 +112,7 @@ def reduce_expert_rows(expert_y: torch.Tensor, order: torch.Tensor, recv_topk_id
     copies = expert_y.new_zeros(R * K, expert_y.size(1)).index_copy(0, order, expert_y)  # other ranks' slots: 0
     weights = torch.where(recv_topk_idx >= 0, recv_topk_weights, 0.0)  # [R, K]; other ranks' weights are junk
     # elementwise, not bmm, as in moe.combine_token_copies
-    return (copies.view(R, K, -1) * weights.unsqueeze(-1).to(copies.dtype)).sum(dim=1)
+    return (copies.view(R, K, expert_y.size(1)) * weights.unsqueeze(-1).to(copies.dtype)).sum(dim=1)  # R may be 0
 
 
 class _Dispatch(torch.autograd.Function):

@@ -79,6 +79,13 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
+@torch.compiler.disable
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """The differentiable exchange, kept out of torch.compile: traced, the NCCL collective lost its backward
+    (the routed experts' gradients came out exactly zero on 2 H200s, torch 2.11); gloo was not affected."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
 class AllToAllDispatcher:
     """Expert parallelism over `group`: rank r holds experts [r·E_local, (r+1)·E_local).
 
@@ -105,7 +112,7 @@ class AllToAllDispatcher:
         splits = torch.cat([tokens_per_expert.view(self.ep, self.n_local).sum(1), received.sum(1)])
         splits = splits.tolist()  # the one device→host sync of this layer
         send_splits, recv_splits = splits[:self.ep], splits[self.ep:]
-        recv_x = _AllToAll.apply(send_x, recv_splits, send_splits, self.group)  # [src][local expert] order
+        recv_x = all_to_all(send_x, recv_splits, send_splits, self.group)  # [src][local expert] order
         local_expert = torch.arange(self.n_local, device=x.device).repeat(self.ep)
         expert_of_row = local_expert.repeat_interleave(received.flatten(), output_size=recv_x.size(0))
         local_order = expert_of_row.argsort(stable=True)  # → [local expert][src] order
@@ -120,7 +127,7 @@ class AllToAllDispatcher:
         if rows is not None:
             expert_y = expert_y[rows]  # the real rows only
         recv_y = torch.empty_like(expert_y).index_copy_(0, local_order, expert_y)
-        sorted_y = _AllToAll.apply(recv_y, send_splits, recv_splits, self.group)
+        sorted_y = all_to_all(recv_y, send_splits, recv_splits, self.group)
         return combine_token_copies(sorted_y, order, topk_weights)
 
     def wait(self, y: torch.Tensor) -> torch.Tensor:
