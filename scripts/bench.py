@@ -32,8 +32,8 @@ PHASES = [
     ("dense GEMMs", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")),
     # torchao's scale-and-cast kernels, and inductor's fusions of them (rowwise scales: amax → exp2(floor(log2)))
     ("fp8 quantize", ("fp8", "amax", "exp2_floor_log2")),
+    ("communication", ("nccl", "all_gather", "reduce_scatter", "alltoall", "deep_ep")),
     ("routing + permutation", ("sort", "topk", "radix", "scatter", "gather", "index", "cumsum", "bmm")),
-    ("communication", ("nccl", "all_gather", "reduce_scatter", "alltoall")),
 ]
 
 
