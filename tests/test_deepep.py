@@ -176,17 +176,20 @@ def test_dispatcher_matches_local_dispatcher(align):
     assert moe.dispatcher.pending is None  # waited on
 
 
-def test_compiled_dispatcher_compiles_the_expert_side_and_matches_eager():
+@pytest.mark.parametrize("align", [1, 16])
+def test_compiled_dispatcher_compiles_the_expert_side_and_matches_eager(align):
     """Under torch.compile only DeepEP's calls break the graph: the expand/sort (argsort) and the weighted reduce
-    land in compiled graphs, and outputs and gradients equal the local dispatcher's for two token counts.
+    land in compiled graphs, and outputs and gradients equal the local dispatcher's for two token counts, with
+    groups padded for the low-precision GEMMs (align 16: bucketed buffer sizes under dynamic shapes) or not.
     bf16: what the grouped GEMM takes under compile; the same ops in the same order, so exactly equal."""
     torch.manual_seed(0)
     ref = MoE(moe_config())
     for p in ref.parameters():
         torch.nn.init.normal_(p, std=0.2)
     ref.to(torch.bfloat16)
+    ref.dispatcher.align = align
     moe = copy.deepcopy(ref)
-    moe.dispatcher = DeepEPDispatcher(LoopbackBuffer(), moe.n_experts)
+    moe.dispatcher = DeepEPDispatcher(LoopbackBuffer(), moe.n_experts, align)
     graphs = []
 
     def backend(gm, example_inputs):
