@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -96,7 +97,7 @@ def check_precision(precision: str, expert_precision: str, device: torch.device,
 
 
 def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_recipe: str = "rowwise",
-          skip: list[str] = ()) -> list[str]:
+          skip: Sequence[str] = ()) -> list[str]:
     """Convert `model` in place for `precision`; returns the names of the dense linears converted.
 
     Dense: every nn.Linear outside the output head and the MTP modules whose features divide by
