@@ -46,8 +46,8 @@ def checkpoints(run_dir: str | Path) -> list[Path]:
 
 def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
          train_state: dict[str, Any], keep: int) -> Path:
-    """Model (expert biases included: they are buffers), optimizer and `train_state` (step, data-loader
-    position, ...) as `run_dir/step-{step}`; keeps the newest `keep`."""
+    """Model (expert biases included: they are buffers), optimizer, `train_state` (step, data-loader
+    position, ...) and every rank's RNG state as `run_dir/step-{step}`; keeps the newest `keep`."""
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step-{step}", run_dir / f"step-{step}.tmp"
     if _rank() == 0:
@@ -56,6 +56,7 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
              "train": train_state}
     dcp.save(state, checkpoint_id=str(tmp))
+    torch.save(_rng_state(), tmp / f"rng-{_rank()}.pt")  # per rank: DCP keeps one copy of a plain tensor
     _barrier()
     if _rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -75,7 +76,27 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
+    _restore_rng(Path(path))
     return state["train"]
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _restore_rng(path: Path) -> None:
+    """This rank's RNG streams as saved, when the world size is the one they were saved at; a resharded
+    resume keeps the freshly seeded ones (one rank's stream has no counterpart at another world size)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if len(list(path.glob("rng-*.pt"))) != world:
+        return
+    state = torch.load(path / f"rng-{_rank()}.pt")
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def load_weights(path: str | Path, model: nn.Module) -> None:

@@ -1,11 +1,13 @@
 """Resharded resume on real gloo process groups: a checkpoint written by 4 ranks (FSDP2 + expert
-parallelism over 2) resumes at world 2 and world 1 and continues the 4-rank run loss for loss."""
+parallelism over 2) resumes at world 2 and world 1 and continues the 4-rank run loss for loss; RNG streams
+come back at the same world size."""
 
 import os
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 import train
@@ -68,3 +70,23 @@ def test_world4_checkpoint_resumes_at_another_world_size(world4, tmp_path, world
         for key in (k for k in reference[step] if k.startswith("moe/")):
             assert resumed[step][key] == pytest.approx(reference[step][key], rel=1e-5, abs=1e-6), (step, key)
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == [f"step-{SAVED_AT}", f"step-{STEPS}"]
+
+
+def test_resume_restores_the_rng_stream_at_the_same_world_size(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    torch.manual_seed(3)
+    torch.rand(7)
+    saved = checkpoint.save(tmp_path, 1, model, optimizer, {"step": 1}, keep=1)
+    expected = torch.rand(5)
+
+    torch.manual_seed(4)  # a restarted process seeds afresh, then resumes
+    checkpoint.load(saved, model, optimizer, {"step": 0})
+    assert torch.equal(torch.rand(5), expected)
+
+    shutil.copy(saved / "rng-0.pt", saved / "rng-1.pt")  # as if written by 2 ranks: a resharded resume
+    torch.manual_seed(4)
+    fresh = torch.rand(5)
+    torch.manual_seed(4)
+    checkpoint.load(saved, model, optimizer, {"step": 0})
+    assert torch.equal(torch.rand(5), fresh)  # the fresh stream is kept
