@@ -89,9 +89,10 @@ def _rng_state() -> dict[str, torch.Tensor]:
 
 def _restore_rng(path: Path) -> None:
     """This rank's RNG streams as saved, when the world size is the one they were saved at; a resharded
-    resume keeps the freshly seeded ones (one rank's stream has no counterpart at another world size)."""
+    resume keeps the freshly seeded ones (one rank's stream has no counterpart at another world size).
+    Nothing draws from them after the model's init today: this keeps resume exact once something does."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if len(list(path.glob("rng-*.pt"))) != world:
+    if {p.name for p in path.glob("rng-*.pt")} != {f"rng-{r}.pt" for r in range(world)}:
         return
     state = torch.load(path / f"rng-{_rank()}.pt")
     torch.set_rng_state(state["cpu"])

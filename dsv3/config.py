@@ -213,9 +213,10 @@ def _typed(section: str, key: str, value: Any, current: Any) -> Any:
     if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if type(value) is not type(current):
-        raise ValueError(f"{section}.{key} must be a {type(current).__name__}, got {value!r}")
-    if isinstance(value, list) and not all(isinstance(item, str) for item in value):
-        raise ValueError(f"{section}.{key} must be a list of strings, got {value!r}")
+        example = f""" (in TOML syntax: --{section}.{key}='["a", "b"]')""" if isinstance(current, list) else ""
+        raise ValueError(f"{section}.{key} must be a {type(current).__name__}{example}, got {value!r}")
+    if isinstance(value, list) and not all(isinstance(item, str) and item for item in value):
+        raise ValueError(f"{section}.{key} must be a list of non-empty strings, got {value!r}")
     return value
 
 

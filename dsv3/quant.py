@@ -109,10 +109,15 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
     _check_modes(precision, expert_precision, fp8_recipe)
     if precision == "bf16":
         return []
-    names = [name for name, m in model.named_modules()
-             if isinstance(m, nn.Linear) and name != "head" and not name.startswith("mtp.")
-             and m.in_features % FEATURE_MULTIPLE[precision] == 0 and m.out_features % FEATURE_MULTIPLE[precision] == 0
-             and not any(fragment in name for fragment in skip)]
+    eligible = [name for name, m in model.named_modules()
+                if isinstance(m, nn.Linear) and name != "head" and not name.startswith("mtp.")
+                and m.in_features % FEATURE_MULTIPLE[precision] == 0
+                and m.out_features % FEATURE_MULTIPLE[precision] == 0]
+    for fragment in skip:
+        if not any(fragment in name for name in eligible):
+            raise ValueError(f"train.precision_skip: {fragment!r} names none of the linears that {precision} "
+                             f"converts, e.g. {', '.join(eligible[:4])}: fix the spelling or drop it")
+    names = [name for name in eligible if not any(fragment in name for fragment in skip)]
     if precision == "fp8":
         convert_to_fp8_training(model, names, fp8_recipe)
     else:

@@ -141,7 +141,8 @@ def test_load_config_coerces_int_to_float(toml_file):
                                             ("--log.wandb=1", "log.wandb"), ("--model.dim=wide", "model.dim"),
                                             ("--model.n_layers=2.5", "model.n_layers"),
                                             ("--train.precision_skip=attn", "train.precision_skip"),
-                                            ("--train.precision_skip=[1]", "train.precision_skip")])
+                                            ("--train.precision_skip=[1]", "train.precision_skip"),
+                                            ('--train.precision_skip=[""]', "train.precision_skip")])
 def test_override_of_the_wrong_type_is_an_error_naming_the_field(override, field):
     with pytest.raises(ValueError, match=field):
         load_config(None, [override])

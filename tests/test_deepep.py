@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
 
 import train
 from dsv3 import deepep, parallel
@@ -81,6 +83,12 @@ def simulated_deepep_moe(experts, xs, idxs, weights, ep: int) -> list[torch.Tens
             outputs[s] = outputs[s].index_add(0, sent, token_y[start:start + sent.numel()])
             start += sent.numel()
     return outputs
+
+
+def test_reduce_of_a_rank_that_received_no_tokens_is_empty():
+    y = reduce_expert_rows(torch.zeros(0, 8), torch.zeros(0, dtype=torch.int64),
+                           torch.zeros(0, 3, dtype=torch.int64), torch.zeros(0, 3))
+    assert y.shape == (0, 8)
 
 
 def test_expert_rows_sorts_local_copies_by_expert():
@@ -177,11 +185,11 @@ def test_dispatcher_matches_local_dispatcher(align):
 
 
 @pytest.mark.parametrize("align", [1, 16])
-def test_compiled_dispatcher_compiles_the_expert_side_and_matches_eager(align):
-    """Under torch.compile only DeepEP's calls break the graph: the expand/sort (argsort) and the weighted reduce
-    land in compiled graphs, and outputs and gradients equal the local dispatcher's for two token counts, with
-    groups padded for the low-precision GEMMs (align 16: bucketed buffer sizes under dynamic shapes) or not.
-    bf16: what the grouped GEMM takes under compile; the same ops in the same order, so exactly equal."""
+def test_compiled_dispatcher_compiles_the_expert_side_and_matches_the_local_dispatcher(align):
+    """Under torch.compile (dynamo + AOTAutograd, eager kernels) only DeepEP's calls break the graph: the
+    expand/sort and the weighted reduce land in compiled forward graphs, and outputs and gradients equal the
+    uncompiled local dispatcher's exactly, for two token counts, with padded groups (align 16: bucketed buffer
+    sizes under dynamic shapes) or not. bf16: what the grouped GEMM takes under compile."""
     torch.manual_seed(0)
     ref = MoE(moe_config())
     for p in ref.parameters():
@@ -190,30 +198,29 @@ def test_compiled_dispatcher_compiles_the_expert_side_and_matches_eager(align):
     ref.dispatcher.align = align
     moe = copy.deepcopy(ref)
     moe.dispatcher = DeepEPDispatcher(LoopbackBuffer(), moe.n_experts, align)
-    graphs = []
+    forward_graphs = []
 
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    def record(gm, example_inputs):
+        forward_graphs.append(gm)
+        return make_boxed_func(gm.forward)
 
     torch._dynamo.reset()
-    compiled = torch.compile(moe, backend=backend)
-    for tokens in (10, 14):  # a new received-token count: a dynamic-shape recompile, not a failure
-        x = torch.randn(2, tokens, 32, dtype=torch.bfloat16)
-        outs = []
-        for m in (ref, compiled):
-            xi = x.clone().requires_grad_()
-            y = m(xi).y
-            y.square().sum().backward()
-            outs.append((y, xi.grad, [p.grad.clone() for p in ref.parameters()] if m is ref
-                         else [p.grad.clone() for p in moe.parameters()]))
-        for got, want in zip(outs[1], outs[0]):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
-        ref.zero_grad()
-        moe.zero_grad()
-    captured = [str(node.target) for gm in graphs for node in gm.graph.nodes]
-    assert any("argsort" in t for t in captured) and any("index_copy" in t for t in captured), captured
-    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(moe, backend=aot_autograd(fw_compiler=record))
+        for tokens in (10, 14):  # a new received-token count: a dynamic-shape recompile, not a failure
+            x = torch.randn(2, tokens, 32, dtype=torch.bfloat16)
+            outs = []
+            for model, params in ((ref, ref), (compiled, moe)):
+                xi = x.clone().requires_grad_()
+                y = model(xi).y
+                y.square().sum().backward()
+                outs.append((y, xi.grad, [p.grad.clone() for p in params.parameters()]))
+                params.zero_grad()
+            torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    finally:
+        torch._dynamo.reset()
+    captured = [str(node.target) for gm in forward_graphs for node in gm.graph.nodes]
+    assert any("sort" in t for t in captured) and any("index_copy" in t for t in captured), captured
 
 
 def test_deepep_on_cpu_is_a_clear_startup_error():

@@ -90,6 +90,11 @@ def test_precision_skip_keeps_the_named_linears_bf16():
     assert all(type(model.get_submodule(n)) is nn.Linear for n in kept)
 
 
+def test_precision_skip_fragment_naming_no_linear_is_one_clear_error():
+    with pytest.raises(ValueError, match="'atn' names none of the linears"):
+        quant.apply(Transformer(CFG), "mxfp8-emulated", "bf16", skip=["atn"])
+
+
 def test_bf16_changes_nothing():
     model = Transformer(CFG)
     before = {n: type(m) for n, m in model.named_modules()}
