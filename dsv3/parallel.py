@@ -19,7 +19,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from dsv3 import deepep
 from dsv3.model import Transformer
@@ -208,6 +208,11 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
     kwargs = {}
     if mode == "selective":
         kwargs["context_fn"] = lambda: create_selective_checkpoint_contexts(_selective_policy)
+        # FSDP2's hooks in a block record profiler ranges a different number of times in forward and in recompute
+        # (the routed experts are their own FSDP unit), and SAC replays ops by count: at ep > 1 the first backward
+        # failed. SAC ignores them upstream since pytorch #196862; torch 2.11-2.13 need it said.
+        SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
+                                torch.ops.profiler._record_function_exit._RecordFunction})
     for key, block in list(model.layers.items()):
         model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
     for mtp in model.mtp:

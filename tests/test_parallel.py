@@ -48,7 +48,7 @@ def _run(model: Transformer, batches: torch.Tensor, rank: int, world: int) -> di
             "params": {n: _full(p.data).clone() for n, p in model.named_parameters()}}
 
 
-def _worker(rank: int, world: int, ep: int, port: int, out_path: str) -> None:
+def _worker(rank: int, world: int, ep: int, port: int, out_path: str, ac: str = "none") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -56,6 +56,7 @@ def _worker(rank: int, world: int, ep: int, port: int, out_path: str) -> None:
     meshes = parallel.build_meshes("cpu", world, ep)
     if ep > 1:
         parallel.apply_expert_parallel(model, meshes)
+    parallel.apply_activation_checkpointing(model, ac)
     parallel.apply_fsdp(model, meshes, torch.float32, torch.float32, ep)
     result = _run(model, _batches(), rank, world)
     if rank == 0:
@@ -70,11 +71,14 @@ def reference() -> dict:
     return _run(Transformer(CFG), _batches(), 0, 1)
 
 
-@pytest.mark.parametrize("world,ep", [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4)])
-def test_sharded_training_matches_single_process(world, ep, reference, tmp_path):
+@pytest.mark.parametrize("world,ep,ac", [(2, 1, "none"), (2, 2, "none"), (4, 1, "none"), (4, 2, "none"), (4, 4, "none"),
+                                         (4, 2, "selective"), (2, 2, "full")])
+def test_sharded_training_matches_single_process(world, ep, ac, reference, tmp_path):
     out = tmp_path / "rank0.pt"
-    mp.spawn(_worker, args=(world, ep, free_port(), str(out)), nprocs=world)
+    mp.spawn(_worker, args=(world, ep, free_port(), str(out), ac), nprocs=world)
     got = torch.load(out)
+    got["grads"] = {name.replace("._checkpoint_wrapped_module", ""): g for name, g in got["grads"].items()}
+    got["params"] = {name.replace("._checkpoint_wrapped_module", ""): p for name, p in got["params"].items()}
     torch.testing.assert_close(got["losses"], reference["losses"], rtol=1e-5, atol=1e-5)
     for name, grad in reference["grads"].items():
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
