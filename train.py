@@ -164,13 +164,18 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.checkpoint.init_from and not any(Path(cfg.checkpoint.init_from).glob("*.safetensors")):
         raise FileNotFoundError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no *.safetensors: point it "
                                 f"at an export, or convert an HF model with scripts/convert_hf.py --to-dsv3")
+    run_dir = Path(cfg.checkpoint.dir)
+    if not cfg.checkpoint.resume and checkpoint.checkpoints(run_dir):
+        raise FileExistsError(f"checkpoint.dir={run_dir} already holds checkpoints "
+                              f"({', '.join(p.name for p in checkpoint.checkpoints(run_dir))}): continue that run "
+                              "with --resume, or give this one its own --checkpoint.dir")
     loader = PackedLoader(cfg.data.path, "train", t.seq_len, rank, world, seed=t.seed)
-    PackedLoader(cfg.data.path, "val", t.seq_len)  # fail now, not at the first validation
+    if t.val_every:
+        PackedLoader(cfg.data.path, "val", t.seq_len)  # fail now, not at the first validation
 
     model = build_model(cfg, world, device)
     optimizer = build_optimizer(model, t, device)
 
-    run_dir = Path(cfg.checkpoint.dir)
     start_step = 0
     found = checkpoint.checkpoints(run_dir) if cfg.checkpoint.resume else []
     if found:
@@ -229,12 +234,14 @@ def main(argv: list[str] | None = None) -> None:
             metrics.update(memory_stats())
             metrics.update(expert_load_stats(tokens_per_expert, [r.expert_bias for r in model.routers()]))
             logger.log(step, metrics)
+        paused = time.perf_counter()  # validation and saving are not training: keep them out of tokens/s
         if t.val_every and (step % t.val_every == 0 or step == t.steps):
             logger.log(step, {"val_loss": evaluate(model, cfg, rank, world, device)})
         if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == t.steps):
             flush()  # never save over the last good checkpoint with a diverged model
             checkpoint.save(run_dir, step, model, optimizer, {"step": step, "data": loader.state_dict()},
                             cfg.checkpoint.keep)
+        clock += time.perf_counter() - paused
     if cfg.checkpoint.export:
         checkpoint.export(run_dir / "export", model, mcfg)
     logger.close()

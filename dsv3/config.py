@@ -139,7 +139,6 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     path: str = "data/stdlib"
-    tokenizer: str = "data/tokenizer.model"
 
 
 @dataclass
@@ -153,7 +152,7 @@ class ParallelConfig:
 class CheckpointConfig:
     dir: str = "runs/debug"
     every: int = 1000  # save every N steps and at the end; 0: never (benchmarks)
-    keep: int = 3
+    keep: int = 3  # the newest N checkpoints; 0: all
     resume: bool = False
     export: bool = True  # safetensors + config.json at the end
     init_from: str = ""  # start from these weights: a dsv3 safetensors dir (an export, or convert_hf.py --to-dsv3)
@@ -220,6 +219,13 @@ def _typed(section: str, key: str, value: Any, current: Any) -> Any:
     return value
 
 
+def _current(cfg: Config, section: str, key: str) -> Any:
+    """The field's present value (None for an unknown field: _set reports those)."""
+    if section == "model":
+        return cfg.model.get(key, getattr(ModelConfig(), key, None))
+    return getattr(getattr(cfg, section, None), key, None) if section in _SECTIONS else getattr(cfg, key, None)
+
+
 def _set(cfg: Config, section: str, key: str, value: Any) -> None:
     if section == "model":
         defaults = ModelConfig()
@@ -263,7 +269,10 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
             raise ValueError(f"bad override {arg!r}: write --section.key=value, e.g. --train.lr=3e-4")
         dotted, text = arg[2:].split("=", 1)
         section, _, key = dotted.rpartition(".")
-        _set(cfg, section, key, _parse_value(text))
+        value = _parse_value(text)
+        if isinstance(_current(cfg, section, key), str) and not isinstance(value, str):
+            value = text  # a string field takes the text as written: --log.run_name=2024-06-01 is not a date
+        _set(cfg, section, key, value)
     validate(cfg)
     return cfg
 
@@ -271,6 +280,14 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
 def validate(cfg: Config) -> None:
     mc = cfg.model_config()
     t = cfg.train
+    for name, value, least in (("train.steps", t.steps, 1), ("train.global_batch", t.global_batch, 1),
+                               ("train.micro_batch", t.micro_batch, 1), ("train.seq_len", t.seq_len, 1),
+                               ("train.warmup_steps", t.warmup_steps, 0), ("train.val_every", t.val_every, 0),
+                               ("train.val_batches", t.val_batches, 1), ("log.every", cfg.log.every, 1),
+                               ("checkpoint.every", cfg.checkpoint.every, 0),
+                               ("checkpoint.keep", cfg.checkpoint.keep, 0)):
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
     if t.seq_len > mc.max_seq_len:
         raise ValueError(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({mc.max_seq_len})")
     if t.global_batch % t.micro_batch:

@@ -148,6 +148,11 @@ def test_override_of_the_wrong_type_is_an_error_naming_the_field(override, field
         load_config(None, [override])
 
 
+def test_string_fields_take_the_override_text_as_written():
+    cfg = load_config(None, ["--log.run_name=2024-06-01", "--log.project=42", "--data.path=data/v1.5"])
+    assert (cfg.log.run_name, cfg.log.project, cfg.data.path) == ("2024-06-01", "42", "data/v1.5")
+
+
 def test_unknown_flavor_is_an_error_listing_the_flavors(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text('flavor = "7B"\n')

@@ -237,8 +237,10 @@ def test_nan_loss_stops_before_any_later_checkpoint(data, tmp_path, monkeypatch,
     (["--train.seq_len=512"], ValueError, r"seq_len \(512\) exceeds model.max_seq_len \(256\)"),
     (["--parallel.ep=2"], ValueError, "parallel.ep=2 must divide the world size 1"),
     (["--checkpoint.init_from=/nonexistent/weights"], FileNotFoundError, r"holds no \*.safetensors"),
+    (["--log.every=0"], ValueError, "log.every must be >= 1, got 0"),
+    (["--train.val_batches=0"], ValueError, "train.val_batches must be >= 1, got 0"),
 ], ids=["flavor", "key", "model-key", "no-value", "no-dashes", "type", "data", "vocab", "batch", "seq-len",
-        "ep", "init-from"])
+        "ep", "init-from", "log-every", "val-batches"])
 def test_bad_input_is_a_clear_error_before_the_model_is_built(data, tmp_path, monkeypatch, overrides, error,
                                                                 message):
     def build_model(*args, **kwargs):
@@ -248,6 +250,16 @@ def test_bad_input_is_a_clear_error_before_the_model_is_built(data, tmp_path, mo
     with pytest.raises(error, match=message):
         run(tmp_path, *overrides)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(data, tmp_path, monkeypatch):
+    """Rotation would delete the new run's own checkpoints (the old ones have higher steps), and a later
+    --resume would pick up the old run: stop before anything is built."""
+    (tmp_path / "step-300").mkdir()
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(FileExistsError, match=r"already holds checkpoints \(step-300\).*--resume"):
+        run(tmp_path, *TINY, "--train.steps=2", "--checkpoint.every=2")
+    assert (tmp_path / "step-300").is_dir()
 
 
 # --- schedules ---------------------------------------------------------------------------------------
