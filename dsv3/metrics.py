@@ -12,6 +12,7 @@ import json
 import netrc
 import os
 import time
+from urllib.parse import urlparse
 
 import torch
 
@@ -118,12 +119,13 @@ def memory_stats() -> dict[str, float]:
 
 
 def _wandb_mode() -> str | None:
-    """'offline' when the user chose no WANDB_MODE and no API key is configured (env or ~/.netrc);
+    """'offline' when the user chose no WANDB_MODE and no API key is configured (env, or ~/.netrc for the server);
     else None, leaving the mode to wandb. Without this, wandb would stop to ask for a login."""
     if "WANDB_MODE" in os.environ or os.environ.get("WANDB_API_KEY"):
         return None
     try:
-        if netrc.netrc().authenticators("api.wandb.ai"):
+        host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname  # or a self-hosted one
+        if netrc.netrc().authenticators(host):
             return None
     except (OSError, netrc.NetrcParseError):
         pass

@@ -131,11 +131,17 @@ def test_wandb_goes_offline_without_an_api_key(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))  # ~/.netrc
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
     assert _wandb_mode() == "offline"
     netrc_file = tmp_path / ".netrc"
     netrc_file.write_text("machine api.wandb.ai\n  login user\n  password abc123\n")
     netrc_file.chmod(0o600)
     assert _wandb_mode() is None
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")  # a self-hosted server: its own login
+    assert _wandb_mode() == "offline"
+    netrc_file.write_text("machine wandb.example.org\n  login user\n  password abc123\n")
+    assert _wandb_mode() is None
+    monkeypatch.delenv("WANDB_BASE_URL")
     netrc_file.unlink()
     monkeypatch.setenv("WANDB_API_KEY", "abc123")
     assert _wandb_mode() is None
