@@ -165,9 +165,10 @@ def main(argv: list[str] | None = None) -> None:
         raise FileNotFoundError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no *.safetensors: point it "
                                 f"at an export, or convert an HF model with scripts/convert_hf.py --to-dsv3")
     run_dir = Path(cfg.checkpoint.dir)
-    if not cfg.checkpoint.resume and checkpoint.checkpoints(run_dir):
+    found = checkpoint.checkpoints(run_dir)
+    if found and not cfg.checkpoint.resume:
         raise FileExistsError(f"checkpoint.dir={run_dir} already holds checkpoints "
-                              f"({', '.join(p.name for p in checkpoint.checkpoints(run_dir))}): continue that run "
+                              f"({', '.join(p.name for p in found)}): continue that run "
                               "with --resume, or give this one its own --checkpoint.dir")
     loader = PackedLoader(cfg.data.path, "train", t.seq_len, rank, world, seed=t.seed)
     if t.val_every:
@@ -177,8 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = build_optimizer(model, t, device)
 
     start_step = 0
-    found = checkpoint.checkpoints(run_dir) if cfg.checkpoint.resume else []
-    if found:
+    if found:  # and resuming (checked above)
         state = checkpoint.load(found[-1], model, optimizer, {"step": 0, "data": loader.state_dict()})
         start_step = state["step"]
         loader.load_state_dict(state["data"])

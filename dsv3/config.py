@@ -205,8 +205,12 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def _typed(section: str, key: str, value: Any, current: Any) -> Any:
-    """`value` as the type of the field's `current` value: int → float is fine, anything else is an error."""
+def _typed(section: str, key: str, value: Any, current: Any, text: str | None = None) -> Any:
+    """`value` as the type of the field's `current` value: int → float is fine, anything else is an error.
+    `text`: the command-line text `value` was parsed from, which a string field takes as written
+    (--log.run_name=2024-06-01 is not a date)."""
+    if isinstance(current, str) and text is not None and not isinstance(value, str):
+        return text
     if isinstance(current, bool) and not isinstance(value, bool):
         raise ValueError(f"{section}.{key} must be true or false, got {value!r}")
     if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
@@ -219,24 +223,17 @@ def _typed(section: str, key: str, value: Any, current: Any) -> Any:
     return value
 
 
-def _current(cfg: Config, section: str, key: str) -> Any:
-    """The field's present value (None for an unknown field: _set reports those)."""
-    if section == "model":
-        return cfg.model.get(key, getattr(ModelConfig(), key, None))
-    return getattr(getattr(cfg, section, None), key, None) if section in _SECTIONS else getattr(cfg, key, None)
-
-
-def _set(cfg: Config, section: str, key: str, value: Any) -> None:
+def _set(cfg: Config, section: str, key: str, value: Any, text: str | None = None) -> None:
     if section == "model":
         defaults = ModelConfig()
         if key in {f.name for f in fields(defaults)}:  # unknown keys are reported by model_config()
-            value = _typed(section, key, value, getattr(defaults, key))
+            value = _typed(section, key, value, getattr(defaults, key), text)
         cfg.model[key] = value
         return
     if section == "":
         if key != "flavor":
             raise ValueError(f"unknown top-level key {key!r}: only `flavor` sits outside a [section]")
-        cfg.flavor = value
+        cfg.flavor = _typed(section, key, value, cfg.flavor, text) if text is not None else value
         return
     if section not in _SECTIONS:
         raise ValueError(f"unknown config section {section!r} (key {key!r}): sections are "
@@ -245,7 +242,7 @@ def _set(cfg: Config, section: str, key: str, value: Any) -> None:
     types = {f.name: f.type for f in fields(target)}
     if key not in types:
         raise ValueError(f"unknown key {section}.{key}: {section} has {', '.join(sorted(types))}")
-    value = _typed(section, key, value, getattr(target, key))
+    value = _typed(section, key, value, getattr(target, key), text)
     choices = _CHOICES.get((section, key))
     if choices and value not in choices:
         raise ValueError(f"{section}.{key} must be one of {', '.join(choices)}, got {value!r}")
@@ -269,10 +266,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
             raise ValueError(f"bad override {arg!r}: write --section.key=value, e.g. --train.lr=3e-4")
         dotted, text = arg[2:].split("=", 1)
         section, _, key = dotted.rpartition(".")
-        value = _parse_value(text)
-        if isinstance(_current(cfg, section, key), str) and not isinstance(value, str):
-            value = text  # a string field takes the text as written: --log.run_name=2024-06-01 is not a date
-        _set(cfg, section, key, value)
+        _set(cfg, section, key, _parse_value(text), text)
     validate(cfg)
     return cfg
 
