@@ -42,6 +42,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_env(rank: int, world: int, port: int) -> None:
+    """The environment torchrun gives rank `rank` of `world` processes on one host."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+
+
 def read_metrics(run_dir: Path) -> dict[int, dict]:
     """A run's metrics.jsonl by step; a later line for the same step (a resumed run's) wins."""
     by_step: dict[int, dict] = {}

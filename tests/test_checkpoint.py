@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 import train
 from dsv3 import checkpoint
-from conftest import free_port, read_metrics
+from conftest import free_port, torchrun_env, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "stdlib"
@@ -29,8 +29,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 def _rank_main(rank: int, world: int, port: int, argv: list[str]) -> None:
     """One rank of `torchrun --nproc_per_node=world train.py argv`."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torchrun_env(rank, world, port)
     train.main(argv)
 
 

@@ -4,7 +4,6 @@ and (GPU, ≥ 2 GPUs with deep_ep) training parity with the all-to-all backend."
 
 import copy
 import importlib.util
-import os
 import sys
 from types import SimpleNamespace
 
@@ -20,7 +19,7 @@ from dsv3 import deepep, parallel
 from dsv3.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from dsv3.deepep import DeepEPDispatcher, expert_rows, reduce_expert_rows
 from dsv3.moe import GroupedExperts, LocalDispatcher, MoE
-from conftest import free_port
+from conftest import free_port, torchrun_env
 
 E, K, D, INTER, T = 8, 3, 16, 32, 12  # experts, top-k, dim, expert hidden, tokens per rank
 
@@ -284,8 +283,7 @@ def _gpu_run(cfg: Config, world: int, rank: int, device: torch.device) -> dict:
 
 
 def _gpu_worker(rank: int, world: int, port: int, case: str, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torchrun_env(rank, world, port)
     rank, world, device = parallel.init_distributed("cuda")
     spec = GPU_CASES[case]
     runs = {}

@@ -12,7 +12,7 @@ from dsv3 import parallel
 from dsv3.config import FLAVORS, Config, ParallelConfig, TrainConfig
 from dsv3.model import Transformer
 from train import build_model, build_optimizer, train_step
-from conftest import free_port
+from conftest import free_port, torchrun_env
 
 CFG = replace(FLAVORS["debug"], n_layers=3, max_seq_len=32)
 TRAIN = TrainConfig(global_batch=8, micro_batch=2, seq_len=32, lr=1e-3, warmup_steps=0, steps=3)
@@ -28,13 +28,18 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, dist.tensor.DTensor) else t
 
 
+def _unwrapped(name: str) -> str:
+    """A parameter's name without activation checkpointing's wrapper, so runs with and without it compare."""
+    return name.replace("._checkpoint_wrapped_module", "")
+
+
 def _run(model: Transformer, batches: torch.Tensor, rank: int, world: int) -> dict:
     """First-step gradients (no update), then STEPS optimizer steps: losses, expert biases, parameters."""
     rows = TRAIN.global_batch // world
     local = batches[:, rank * rows:(rank + 1) * rows]
     out = model(local[0][:, :-1], local[0][:, 1:])
     (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
-    grads = {n: _full(p.grad).clone() for n, p in model.named_parameters()}
+    grads = {_unwrapped(n): _full(p.grad).clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     optimizer = build_optimizer(model, TRAIN, torch.device("cpu"))
     losses = []
@@ -45,7 +50,7 @@ def _run(model: Transformer, batches: torch.Tensor, rank: int, world: int) -> di
         losses.append(values[:3].tolist())
     return {"grads": grads, "losses": torch.tensor(losses),
             "biases": torch.stack([r.expert_bias for r in model.routers()]),
-            "params": {n: _full(p.data).clone() for n, p in model.named_parameters()}}
+            "params": {_unwrapped(n): _full(p.data).clone() for n, p in model.named_parameters()}}
 
 
 def _worker(rank: int, world: int, ep: int, port: int, out_path: str, ac: str = "none") -> None:
@@ -77,8 +82,6 @@ def test_sharded_training_matches_single_process(world, ep, ac, reference, tmp_p
     out = tmp_path / "rank0.pt"
     mp.spawn(_worker, args=(world, ep, free_port(), str(out), ac), nprocs=world)
     got = torch.load(out)
-    got["grads"] = {name.replace("._checkpoint_wrapped_module", ""): g for name, g in got["grads"].items()}
-    got["params"] = {name.replace("._checkpoint_wrapped_module", ""): p for name, p in got["params"].items()}
     torch.testing.assert_close(got["losses"], reference["losses"], rtol=1e-5, atol=1e-5)
     for name, grad in reference["grads"].items():
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
@@ -96,8 +99,7 @@ def test_bad_ep_is_a_clear_error():
 
 
 def _compiled_ep_worker(rank: int, world: int, port: int, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torchrun_env(rank, world, port)
     rank, world, device = parallel.init_distributed("cuda")
     tokens = torch.randint(0, FLAVORS["debug"].vocab_size, (4 * world, 129), generator=torch.Generator().manual_seed(1))
     local = tokens[4 * rank:4 * (rank + 1)].to(device)
@@ -105,8 +107,7 @@ def _compiled_ep_worker(rank: int, world: int, port: int, out_path: str) -> None
     for compile in (False, True):
         cfg = Config(flavor="debug", parallel=ParallelConfig(ep=world),
                      train=TrainConfig(global_batch=4 * world, micro_batch=4, seq_len=128, compile=compile))
-        torch.manual_seed(0)
-        model = build_model(cfg, world, device)
+        model = build_model(cfg, world, device)  # seeds from train.seed
         out = model(local[:, :-1], local[:, 1:])
         (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
         grads[compile] = {n: _full(p.grad).float().cpu() for n, p in model.named_parameters()}
