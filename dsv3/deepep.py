@@ -171,8 +171,8 @@ class DeepEPDispatcher:
         order, expert_of_row, tokens_per_local_expert = expert_rows(recv_idx, self.n_local, n_rows)
         expert_x = recv_x[order // recv_idx.size(1)]
         rows = None
-        if self.align > 1:
-            expert_x, tokens_per_local_expert, rows = pad_groups(  # N varies by step: few buffer sizes
+        if self.align > 1 or not n_rows:  # N varies by step: few buffer sizes; none received: one row
+            expert_x, tokens_per_local_expert, rows = pad_groups(
                 expert_x, expert_of_row, tokens_per_local_expert, self.align, bucket=True)
         return expert_x, tokens_per_local_expert, (order, recv_idx, recv_weights, rows, handle)
 

@@ -97,15 +97,17 @@ def pad_groups(x: torch.Tensor, expert_of_row: torch.Tensor, counts: torch.Tenso
     """Move rows x [N, D], sorted by expert (expert_of_row [N], counts [E]), into a zero buffer in which every
     expert's group starts at a multiple of `align`, as the low-precision grouped GEMMs need.
 
-    The buffer has M = round_up(N + E·(align−1), align) rows, the most padding E groups can need, so no count
-    reaches the host. `bucket` rounds M further up to one of 16 sizes per octave (at most 1/16 more rows), for
+    The buffer has M = round_up(max(N + E·(align−1), 1), align) rows, the most padding E groups can need, so no
+    count reaches the host; at least one, so that an expert-parallel rank that received no tokens (N = 0) still
+    runs its grouped GEMMs on a real row: their backward rejects an empty input on CUDA.
+    `bucket` rounds M further up to one of 16 sizes per octave (at most 1/16 more rows), for
     dispatchers whose N changes every step: torchao's Triton kernels autotune anew for every row count.
     The slack after the last group goes to the last expert: zero rows give zero outputs, and every row belongs
     to a group, so no GEMM output or gradient row is left unwritten.
     Returns (x_padded [M, D], padded counts [E] summing to M, rows [N]: the buffer row of each row of x).
     """
     n_experts = counts.numel()
-    size = x.size(0) + n_experts * (align - 1)
+    size = max(x.size(0) + n_experts * (align - 1), 1)
     quantum = max(align, 1 << max(size.bit_length() - 5, 0)) if bucket else align  # powers of two
     size = -(-size // quantum) * quantum
     padded = (counts + align - 1) // align * align  # [E]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -117,8 +118,8 @@ class AllToAllDispatcher:
         expert_of_row = local_expert.repeat_interleave(received.flatten(), output_size=recv_x.size(0))
         local_order = expert_of_row.argsort(stable=True)  # → [local expert][src] order
         expert_x, tokens_per_local_expert, rows = recv_x[local_order], received.sum(0), None
-        if self.align > 1:
-            expert_x, tokens_per_local_expert, rows = pad_groups(  # N varies by step: few buffer sizes
+        if self.align > 1 or not recv_x.size(0):  # N varies by step: few buffer sizes; none received: one row
+            expert_x, tokens_per_local_expert, rows = pad_groups(
                 expert_x, expert_of_row[local_order], tokens_per_local_expert, self.align, bucket=True)
         return expert_x, tokens_per_local_expert, (order, topk_weights, local_order, rows, send_splits, recv_splits)
 
@@ -219,12 +220,21 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
         mtp.block = checkpoint_wrapper(mtp.block, preserve_rng_state=False, **kwargs)
 
 
-def apply_compile(model: Transformer) -> None:
-    """torch.compile each block in place (module names, hence checkpoints, are unchanged)."""
-    for block in model.layers.values():
-        block.compile()
-    for mtp in model.mtp:
-        mtp.block.compile()
+def apply_compile(model: Transformer, backend: str | Callable = "inductor") -> None:
+    """torch.compile each block in place (module names, hence checkpoints, are unchanged).
+
+    A checkpointed block is compiled around its checkpoint when it traces as one graph (dense blocks), and
+    inside it when it cannot: a MoE block's graph breaks at its experts' FSDP hooks (and at EP's exchange), and
+    dynamo runs a traced checkpoint with a graph break in it eagerly, whole. Inside, shapes are dynamic from the
+    first compile: a recompile between a block's forward and its recompute (for the MTP block's shorter sequence,
+    a new received-token count under EP) would make the recompute run a different graph from the forward's,
+    which selective AC rejects."""
+    for block in blocks(model):
+        inner = getattr(block, "_checkpoint_wrapped_module", None)
+        if inner is not None and isinstance(inner.ffn, MoE):
+            inner.compile(backend=backend, dynamic=True)
+        else:
+            block.compile(backend=backend)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -71,21 +71,23 @@ def test_world4_checkpoint_resumes_at_another_world_size(world4, tmp_path, world
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == [f"step-{SAVED_AT}", f"step-{STEPS}"]
 
 
-def test_resume_restores_the_rng_stream_at_the_same_world_size(tmp_path):
-    model = torch.nn.Linear(4, 4)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU")])])
+def test_resume_restores_the_rng_stream_at_the_same_world_size(tmp_path, device):
+    model = torch.nn.Linear(4, 4, device=device)
     optimizer = torch.optim.AdamW(model.parameters())
-    torch.manual_seed(3)
-    torch.rand(7)
+    torch.manual_seed(3)  # seeds the CUDA generator too
+    torch.rand(7, device=device)
     saved = checkpoint.save(tmp_path, 1, model, optimizer, {"step": 1}, keep=1)
-    expected = torch.rand(5)
+    expected = torch.rand(5, device=device)
 
     torch.manual_seed(4)  # a restarted process seeds afresh, then resumes
     checkpoint.load(saved, model, optimizer, {"step": 0})
-    assert torch.equal(torch.rand(5), expected)
+    assert torch.equal(torch.rand(5, device=device), expected)
 
     shutil.copy(saved / "rng-0.pt", saved / "rng-1.pt")  # as if written by 2 ranks: a resharded resume
     torch.manual_seed(4)
-    fresh = torch.rand(5)
+    fresh = torch.rand(5, device=device)
     torch.manual_seed(4)
     checkpoint.load(saved, model, optimizer, {"step": 0})
-    assert torch.equal(torch.rand(5), fresh)  # the fresh stream is kept
+    assert torch.equal(torch.rand(5, device=device), fresh)  # the fresh stream is kept

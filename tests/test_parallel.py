@@ -8,6 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+
 from dsv3 import parallel
 from dsv3.config import FLAVORS, Config, ParallelConfig, TrainConfig
 from dsv3.model import Transformer
@@ -53,17 +56,35 @@ def _run(model: Transformer, batches: torch.Tensor, rank: int, world: int) -> di
             "params": {_unwrapped(n): _full(p.data).clone() for n, p in model.named_parameters()}}
 
 
-def _worker(rank: int, world: int, ep: int, port: int, out_path: str, ac: str = "none") -> None:
+def _starve_last_rank(model: Transformer, ep: int) -> None:
+    """Bias every router away from the last EP rank's experts: that rank receives no tokens at all."""
+    for router in model.routers():
+        router.expert_bias[-router.n_experts // ep:] = -1e3
+
+
+def _all_reduce_min(t: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t
+
+
+def _worker(rank: int, world: int, ep: int, port: int, out_path: str, ac: str = "none", starve: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = Transformer(CFG)
+    expert_rows = []
+    if starve:
+        _starve_last_rank(model, ep)
+        for moe in parallel.moe_layers(model):
+            moe.experts.register_forward_pre_hook(lambda _, args: expert_rows.append(args[0].size(0)))
     meshes = parallel.build_meshes("cpu", world, ep)
     if ep > 1:
         parallel.apply_expert_parallel(model, meshes)
     parallel.apply_activation_checkpointing(model, ac)
     parallel.apply_fsdp(model, meshes, torch.float32, torch.float32, ep)
     result = _run(model, _batches(), rank, world)
+    if starve:  # the fewest rows any rank's experts were handed
+        result["min_expert_rows"] = _all_reduce_min(torch.tensor(min(expert_rows)))
     if rank == 0:
         torch.save(result, out_path)
     dist.barrier()  # no rank tears the group down while another still talks to it
@@ -89,6 +110,24 @@ def test_sharded_training_matches_single_process(world, ep, ac, reference, tmp_p
     # Adam divides by sqrt(v): elements whose gradient is ~0 turn 1e-9 reduction-order noise into 1e-5
     for name, param in reference["params"].items():
         torch.testing.assert_close(got["params"][name], param, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_a_rank_that_receives_no_tokens_trains_like_the_single_process_run(tmp_path):
+    """Routing can leave a rank's experts without a single token (seen at EP 4 on GPUs, where the empty grouped
+    GEMM's backward failed). Its experts then get zero gradients, and everything else matches world 1."""
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    _starve_last_rank(model, 2)
+    reference = _run(model, _batches(), 0, 1)
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_worker, args=(2, 2, free_port(), str(out), "none", True), nprocs=2)
+    got = torch.load(out)
+    torch.testing.assert_close(got["losses"], reference["losses"], rtol=1e-5, atol=1e-5)
+    for name, grad in reference["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert got["min_expert_rows"] >= 1  # the starved rank's grouped GEMMs ran on a zero row, not on nothing
+    starved = reference["grads"]["layers.1.ffn.experts.w13"][CFG.n_routed_experts // 2:]
+    assert starved.abs().max() == 0 and reference["grads"]["layers.1.ffn.experts.w13"].abs().max() > 0
 
 
 def test_bad_ep_is_a_clear_error():
@@ -132,3 +171,51 @@ def test_compiled_expert_parallel_matches_eager_on_gpus(tmp_path):
     # bf16 rounding differs where compile fuses, and can flip a token's expert choice: 9.3e-2 measured on 2 H200s
     # (debug flavor, experts' w2); a lost gradient gives 1.0
     assert worst[1] < 0.25, worst
+
+
+def _compiled_ac_worker(rank: int, world: int, port: int, out_path: str, ac: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rows = TRAIN.global_batch // world
+    local = _batches()[0, rank * rows:(rank + 1) * rows]
+    captured, results = [], {}
+
+    def record(gm, example_inputs):  # the ops of every compiled forward graph; run as traced (no inductor)
+        captured.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm)
+
+    for compile in (False, True):
+        torch.manual_seed(0)
+        model = Transformer(CFG)
+        meshes = parallel.build_meshes("cpu", world, world)
+        parallel.apply_expert_parallel(model, meshes)
+        parallel.apply_activation_checkpointing(model, ac)
+        if compile:
+            parallel.apply_compile(model, backend=aot_autograd(fw_compiler=record))
+        # bf16 compute: the grouped GEMM traces in bf16 only
+        parallel.apply_fsdp(model, meshes, torch.bfloat16, torch.float32, world)
+        for _ in range(2):  # the second step replays the compiled graphs, and dispatches different token counts
+            model.zero_grad(set_to_none=True)
+            out = model(local[:, :-1], local[:, 1:])
+            (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
+        results[compile] = {"loss": out.loss.detach(), "grads": {n: _full(p.grad) for n, p in model.named_parameters()}}
+    if rank == 0:
+        results["grouped_mm_compiled"] = captured.count(torch.ops.aten._grouped_mm.default)
+        torch.save(results, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ac", ["selective", "full"])
+def test_compile_reaches_checkpointed_moe_blocks(ac, tmp_path):
+    """Activation checkpointing + torch.compile at EP 2: the MoE blocks' expert GEMMs run compiled (a graph break
+    inside a compiled checkpoint once sent whole MoE blocks back to eager), and the compiled run's loss and
+    gradients equal the eager checkpointed run's, over two steps (a recompile between forward and recompute
+    would make selective AC fail)."""
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_compiled_ac_worker, args=(2, free_port(), str(out), ac), nprocs=2)
+    got = torch.load(out)
+    assert got["grouped_mm_compiled"] >= 2  # both grouped GEMMs of the MoE blocks' traced forward
+    torch.testing.assert_close(got[True]["loss"], got[False]["loss"], rtol=1e-3, atol=1e-3)
+    for name, grad in got[False]["grads"].items():
+        torch.testing.assert_close(got[True]["grads"][name], grad, rtol=2e-2, atol=1e-3, msg=name)
