@@ -261,14 +261,23 @@ GPU_CASES = {
     "debug": dict(flavor="debug", model={}, seq_len=128, local_batch=4),
     "16B-cut": dict(flavor="16B", model={"n_layers": 2}, seq_len=1024, local_batch=2),
     "16B-cut-compiled": dict(flavor="16B", model={"n_layers": 2}, seq_len=1024, local_batch=2, compile=True),
+    # compiled inside the checkpoint, with the exchange rerun in recompute
+    "16B-cut-compiled-selective-ac": dict(flavor="16B", model={"n_layers": 2}, seq_len=1024, local_batch=2,
+                                          compile=True, activation_checkpoint="selective"),
+    # the routers never pick rank 1's experts: it receives no tokens (R = N = 0)
+    "16B-cut-compiled-starved": dict(flavor="16B", model={"n_layers": 2}, seq_len=1024, local_batch=2, compile=True,
+                                     starve=True),
 }
 STEPS = 3
 
 
-def _gpu_run(cfg: Config, world: int, rank: int, device: torch.device) -> dict:
+def _gpu_run(cfg: Config, world: int, rank: int, device: torch.device, starve: bool = False) -> dict:
     """First-step local gradient shards (no update), then STEPS optimizer steps' losses."""
     t = cfg.train
     model = train.build_model(cfg, world, device)
+    if starve:
+        for router in model.routers():
+            router.expert_bias[-router.n_experts // world:] = -1e3
     tokens = torch.randint(0, cfg.model_config().vocab_size, (STEPS + 1, t.global_batch, t.seq_len + 1),
                            generator=torch.Generator().manual_seed(1))
     local = tokens[:, rank * t.micro_batch:(rank + 1) * t.micro_batch].to(device)
@@ -290,10 +299,11 @@ def _gpu_worker(rank: int, world: int, port: int, case: str, out_path: str) -> N
     for backend in ("all_to_all", "deepep"):
         train_cfg = TrainConfig(global_batch=spec["local_batch"] * world, micro_batch=spec["local_batch"],
                                 seq_len=spec["seq_len"], warmup_steps=0, steps=STEPS, lr=3e-4,
-                                compile=spec.get("compile", False))
+                                compile=spec.get("compile", False),
+                                activation_checkpoint=spec.get("activation_checkpoint", "none"))
         cfg = Config(flavor=spec["flavor"], model=spec["model"], train=train_cfg,
                      parallel=ParallelConfig(ep=world, ep_backend=backend))
-        runs[backend] = _gpu_run(cfg, world, rank, device)
+        runs[backend] = _gpu_run(cfg, world, rank, device, spec.get("starve", False))
         torch.cuda.empty_cache()
     ref, got = runs["all_to_all"]["grads"], runs["deepep"]["grads"]
     sq = torch.stack([torch.stack([(got[n] - ref[n]).pow(2).sum(), ref[n].pow(2).sum()]) for n in ref])  # [P, 2]
