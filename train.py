@@ -81,17 +81,19 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torc
 
 @torch.no_grad()
 def evaluate(model: Transformer, cfg: Config, rank: int, world: int, device: torch.device) -> float:
-    """Main-head loss over the first val_batches × global_batch sequences of the validation split: the same
-    sequences on every call and at every world size, so val losses of differently sharded runs compare."""
+    """Main-head loss over the first val_batches × global_batch sequences of the validation split, or as many
+    whole batches as the split holds (at least one): the same sequences on every call and at every world size,
+    so val losses of differently sharded runs compare."""
     t = cfg.train
     model.eval()
     loader = PackedLoader(cfg.data.path, "val", t.seq_len, rank, world, shuffle=False)
+    n_batches = min(t.val_batches, max(1, loader.num_sequences // t.global_batch))  # more would rescore the same
     total = torch.zeros((), device=device)
-    for _ in range(t.val_batches):
+    for _ in range(n_batches):
         for micro in loader.next_batch(t.global_batch).to(device).split(t.micro_batch):
             total += model(micro[:, :-1], micro[:, 1:]).loss * micro.size(0)
     model.train()
-    return parallel.all_reduce_sum(total).item() / (t.val_batches * t.global_batch)
+    return parallel.all_reduce_sum(total).item() / (n_batches * t.global_batch)
 
 
 def build_optimizer(model: Transformer, t: TrainConfig, device: torch.device) -> torch.optim.Optimizer:

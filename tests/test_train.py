@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import train
 from dsv3 import checkpoint
-from dsv3.config import FLAVORS, ModelConfig, TrainConfig
+from dsv3.config import FLAVORS, Config, DataConfig, ModelConfig, TrainConfig
 from dsv3.model import Transformer
 from conftest import read_metrics
 
@@ -315,3 +315,23 @@ def test_gradient_accumulation_matches_one_big_batch():
     # ~1e-6 of update (measured ≤ 5e-6 on a handful of elements), hence 1% of lr here.
     for name, param in params.items():
         torch.testing.assert_close(acc_params[name], param, rtol=0, atol=1e-5, msg=name)
+
+
+def test_validation_scores_at_most_one_pass_over_the_split():
+    """At seq_len 2048 the bundled val split holds 22 sequences: with global_batch 8, two whole batches, not
+    val_batches = 8 batches that would score each sequence three times; the loss is their mean."""
+    cfg = Config(model={"n_layers": 1, "max_seq_len": 2048},
+                 train=TrainConfig(seq_len=2048, global_batch=8, micro_batch=8, val_batches=8),
+                 data=DataConfig(path=str(DATA)))
+    torch.manual_seed(0)
+    model = Transformer(cfg.model_config())
+    seen, losses = [], []
+
+    def record(module, args, out) -> None:
+        seen.append(args[0])
+        losses.append(out.loss.item())
+
+    model.register_forward_hook(record)
+    loss = train.evaluate(model, cfg, 0, 1, torch.device("cpu"))
+    assert len(seen) == 2 and not torch.equal(seen[0], seen[1])
+    assert loss == pytest.approx(sum(losses) / 2, rel=1e-6)
