@@ -70,14 +70,19 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty(sum(out_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
+        return exchange(x, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
         return _AllToAll.apply(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """all_to_all_single as a functional collective (a new output tensor, not a filled buffer): selective AC
+    keeps its result, so recompute does not exchange again."""
+    out = torch.ops._c10d_functional.all_to_all_single(x.contiguous(), out_splits, in_splits, group.group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
 
 
 @torch.compiler.disable
@@ -107,9 +112,8 @@ class AllToAllDispatcher:
         order = topk_idx.flatten().argsort(stable=True)  # by expert, hence by destination rank
         send_x = x[order // topk_idx.size(1)]
         # received[src, e]: copies rank src sends to our local expert e
-        received = torch.empty_like(tokens_per_expert)
-        dist.all_to_all_single(received, tokens_per_expert, group=self.group)
-        received = received.view(self.ep, self.n_local)
+        even = [self.n_local] * self.ep
+        received = exchange(tokens_per_expert, even, even, self.group).view(self.ep, self.n_local)
         splits = torch.cat([tokens_per_expert.view(self.ep, self.n_local).sum(1), received.sum(1)])
         splits = splits.tolist()  # the one device→host sync of this layer
         send_splits, recv_splits = splits[:self.ep], splits[self.ep:]
@@ -199,7 +203,12 @@ _SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default,
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    # EP's exchanges, and the split sizes' copy to the host: kept, recompute neither talks to other ranks nor
+    # waits for the GPU to drain
+    if (op in _SAVE_OPS or op == torch.ops._c10d_functional.all_to_all_single.default
+            or op == torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu")):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_activation_checkpointing(model: Transformer, mode: str) -> None:

@@ -10,10 +10,12 @@ import torch.multiprocessing as mp
 
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv3 import parallel
 from dsv3.config import FLAVORS, Config, ParallelConfig, TrainConfig
 from dsv3.model import Transformer
+from dsv3.moe import MoE
 from train import build_model, build_optimizer, train_step
 from conftest import free_port, torchrun_env
 
@@ -219,3 +221,48 @@ def test_compile_reaches_checkpointed_moe_blocks(ac, tmp_path):
     torch.testing.assert_close(got[True]["loss"], got[False]["loss"], rtol=1e-3, atol=1e-3)
     for name, grad in got[False]["grads"].items():
         torch.testing.assert_close(got[True]["grads"][name], grad, rtol=2e-2, atol=1e-3, msg=name)
+
+
+class _CountExchanges(TorchDispatchMode):
+    """Counts all-to-all exchanges, functional or not."""
+
+    OPS = {torch.ops._c10d_functional.all_to_all_single.default, torch.ops.c10d.alltoall_base_.default}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.OPS
+        return func(*args, **(kwargs or {}))
+
+
+def _exchange_count_worker(rank: int, world: int, port: int, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    local = _batches()[0, :TRAIN.global_batch // world]
+    counts = {}
+    for ac in ("none", "selective"):
+        model = Transformer(CFG)
+        meshes = parallel.build_meshes("cpu", world, world)
+        parallel.apply_expert_parallel(model, meshes)
+        parallel.apply_activation_checkpointing(model, ac)
+        parallel.apply_fsdp(model, meshes, torch.float32, torch.float32, world)
+        with _CountExchanges() as counter:
+            out = model(local[:, :-1], local[:, 1:])
+            (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
+        counts[ac] = counter.count
+    if rank == 0:
+        torch.save(counts, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_selective_ac_recompute_does_not_exchange_again(tmp_path):
+    """Selective AC keeps EP's exchanged tokens and counts: its recompute talks to no other rank."""
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_exchange_count_worker, args=(2, free_port(), str(out)), nprocs=2)
+    counts = torch.load(out)
+    # per MoE layer: counts, tokens and the combine forward, two reverse exchanges in backward
+    assert counts["none"] == 5 * len([b for b in parallel.blocks(Transformer(CFG)) if isinstance(b.ffn, MoE)])
+    assert counts["selective"] == counts["none"], counts
