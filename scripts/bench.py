@@ -63,9 +63,11 @@ def main() -> None:
     local_batch = t.global_batch // world
     generator = torch.Generator(device="cpu").manual_seed(rank)
 
+    loads = []  # global tokens_per_expert [L, E] of every step
+
     def step(i: int) -> None:
         batch = torch.randint(0, mcfg.vocab_size, (local_batch, t.seq_len + 1), generator=generator)
-        train.train_step(model, optimizer, batch.to(device, non_blocking=True), t, i)
+        loads.append(train.train_step(model, optimizer, batch.to(device, non_blocking=True), t, i)[1])
 
     def synchronize() -> None:
         if device.type == "cuda":
@@ -92,6 +94,11 @@ def main() -> None:
         "peak_memory_gib": memory_stats().get("memory/peak_allocated_gib"),
         "gflop_per_token": flops / 1e9,
     }
+    if cfg.parallel.ep > 1:  # the share of routed token copies each EP rank received, extremes over layers and steps
+        ep = cfg.parallel.ep
+        per_rank = torch.stack(loads).view(len(loads), -1, ep, mcfg.n_routed_experts // ep).sum(-1).float()
+        share = per_rank / per_rank.sum(-1, keepdim=True)  # [steps, L, ep]
+        result["ep_rank_share_min_max"] = [share.min().item(), share.max().item()]
 
     if args.profile_steps and device.type == "cuda":
         activities = [torch.profiler.ProfilerActivity.CUDA]
@@ -123,6 +130,9 @@ def main() -> None:
             print(f"\n{result['device']} × {world} | {args.config} {' '.join(overrides)}")
             print(f"{'tokens/s/GPU':>14} {'MFU':>7} {'step ms':>9} {'peak mem':>10}")
             print(f"{tokens_per_s_per_gpu:>14,.0f} {mfu_text:>7} {result['step_ms']:>9.1f} {mem:>10}")
+            if "ep_rank_share_min_max" in result:
+                low, high = result["ep_rank_share_min_max"]
+                print(f"  routed tokens per EP rank: {100 * low:.1f}% to {100 * high:.1f}% of each layer's")
             for phase, ms in result.get("phase_ms", {}).items():
                 print(f"  {phase:<24} {ms:8.1f} ms  {100 * ms / result['step_ms']:5.1f}%")
             for kernel, ms in result.get("top_kernels_ms", {}).items():
