@@ -175,9 +175,10 @@ def test_compiled_expert_parallel_matches_eager_on_gpus(tmp_path):
     assert worst[1] < 0.25, worst
 
 
-def _compiled_ac_worker(rank: int, world: int, port: int, out_path: str, ac: str) -> None:
+def _compiled_ac_worker(rank: int, world: int, ep: int, port: int, out_path: str, ac: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = CFG if ep > 1 else replace(CFG, n_mtp_layers=0)  # no EP, no MTP: shapes never change, static compile
     rows = TRAIN.global_batch // world
     local = _batches()[0, rank * rows:(rank + 1) * rows]
     captured, results = [], {}
@@ -188,14 +189,15 @@ def _compiled_ac_worker(rank: int, world: int, port: int, out_path: str, ac: str
 
     for compile in (False, True):
         torch.manual_seed(0)
-        model = Transformer(CFG)
-        meshes = parallel.build_meshes("cpu", world, world)
-        parallel.apply_expert_parallel(model, meshes)
+        model = Transformer(cfg)
+        meshes = parallel.build_meshes("cpu", world, ep)
+        if ep > 1:
+            parallel.apply_expert_parallel(model, meshes)
         parallel.apply_activation_checkpointing(model, ac)
         if compile:
             parallel.apply_compile(model, backend=aot_autograd(fw_compiler=record))
         # bf16 compute: the grouped GEMM traces in bf16 only
-        parallel.apply_fsdp(model, meshes, torch.bfloat16, torch.float32, world)
+        parallel.apply_fsdp(model, meshes, torch.bfloat16, torch.float32, ep)
         for _ in range(2):  # the second step replays the compiled graphs, and dispatches different token counts
             model.zero_grad(set_to_none=True)
             out = model(local[:, :-1], local[:, 1:])
@@ -208,14 +210,14 @@ def _compiled_ac_worker(rank: int, world: int, port: int, out_path: str, ac: str
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("ac", ["selective", "full"])
-def test_compile_reaches_checkpointed_moe_blocks(ac, tmp_path):
-    """Activation checkpointing + torch.compile at EP 2: the MoE blocks' expert GEMMs run compiled (a graph break
-    inside a compiled checkpoint once sent whole MoE blocks back to eager), and the compiled run's loss and
-    gradients equal the eager checkpointed run's, over two steps (a recompile between forward and recompute
-    would make selective AC fail)."""
+@pytest.mark.parametrize("ac,ep", [("selective", 2), ("full", 2), ("selective", 1)])
+def test_compile_reaches_checkpointed_moe_blocks(ac, ep, tmp_path):
+    """Activation checkpointing + torch.compile on 2 ranks: the MoE blocks' expert GEMMs run compiled (a graph
+    break inside a compiled checkpoint once sent whole MoE blocks back to eager), and the compiled run's loss
+    and gradients equal the eager checkpointed run's, over two steps (a recompile between forward and recompute
+    would make selective AC fail): with EP and MTP (dynamic shapes), and without either (static)."""
     out = tmp_path / "rank0.pt"
-    mp.spawn(_compiled_ac_worker, args=(2, free_port(), str(out), ac), nprocs=2)
+    mp.spawn(_compiled_ac_worker, args=(2, ep, free_port(), str(out), ac), nprocs=2)
     got = torch.load(out)
     assert got["grouped_mm_compiled"] >= 2  # both grouped GEMMs of the MoE blocks' traced forward
     torch.testing.assert_close(got[True]["loss"], got[False]["loss"], rtol=1e-3, atol=1e-3)
