@@ -9,8 +9,8 @@ over `ep` and `fully_shard`ed over `efsdp = world / ep`, both from one 2-D (efsd
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -78,9 +78,10 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
-def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """all_to_all_single as a functional collective (a new output tensor, not a filled buffer): selective AC
-    keeps its result, so recompute does not exchange again."""
+def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+             group: dist.ProcessGroup) -> torch.Tensor:
+    """all_to_all_single as a functional collective (a new output tensor, not a filled buffer), an op that
+    selective AC can keep: recompute does not exchange again."""
     out = torch.ops._c10d_functional.all_to_all_single(x.contiguous(), out_splits, in_splits, group.group_name)
     return torch.ops._c10d_functional.wait_tensor(out)
 
@@ -195,7 +196,9 @@ def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, red
             nxt.set_modules_to_backward_prefetch([prev])
 
 
-# Selective AC keeps what is expensive to recompute (GEMM and attention outputs), recomputes the rest.
+# Selective AC keeps what is expensive to recompute (GEMM and attention outputs), recomputes the rest. It sees
+# the ops that run, and inside a compiled MoE block inductor runs the dense GEMMs as `mm.out` into its own
+# buffers, which SAC cannot hand back: there those are recomputed, the grouped GEMMs and attention kept.
 _SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default,
              torch.ops.aten._scaled_dot_product_cudnn_attention.default,
              torch.ops.aten._scaled_dot_product_flash_attention.default,
@@ -206,7 +209,7 @@ def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     # EP's exchanges, and the split sizes' copy to the host: kept, recompute neither talks to other ranks nor
     # waits for the GPU to drain
     if (op in _SAVE_OPS or op == torch.ops._c10d_functional.all_to_all_single.default
-            or op == torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu")):
+            or (op == torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"))):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -238,7 +241,7 @@ def apply_compile(model: Transformer, backend: str | Callable = "inductor") -> N
     block's forward and its recompute (for the MTP block's shorter sequence, a new received-token count under EP)
     would make the recompute run another graph than the forward's, which selective AC rejects: where shapes
     change within a step, shapes are dynamic from the first compile. Only there: dynamic kernels cost 9% of a
-    16B step on one H100 (selective AC, 82.1k against 89.8k tokens/s)."""
+    16B step on one H100 (selective AC, 82.1k against 89.8k tokens/s). Call after `apply_expert_parallel`."""
     shapes_change = len(model.mtp) > 0 or any(isinstance(m.dispatcher, (AllToAllDispatcher, deepep.DeepEPDispatcher))
                                               for m in moe_layers(model))
     for block in blocks(model):

@@ -180,7 +180,7 @@ def _compiled_ac_worker(rank: int, world: int, ep: int, port: int, out_path: str
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = CFG if ep > 1 else replace(CFG, n_mtp_layers=0)  # no EP, no MTP: shapes never change, static compile
     rows = TRAIN.global_batch // world
-    local = _batches()[0, rank * rows:(rank + 1) * rows]
+    local = _batches()[:2, rank * rows:(rank + 1) * rows]
     captured, results = [], {}
 
     def record(gm, example_inputs):  # the ops of every compiled forward graph; run as traced (no inductor)
@@ -198,9 +198,9 @@ def _compiled_ac_worker(rank: int, world: int, ep: int, port: int, out_path: str
             parallel.apply_compile(model, backend=aot_autograd(fw_compiler=record))
         # bf16 compute: the grouped GEMM traces in bf16 only
         parallel.apply_fsdp(model, meshes, torch.bfloat16, torch.float32, ep)
-        for _ in range(2):  # the second step replays the compiled graphs, and dispatches different token counts
+        for batch in local:  # the second batch dispatches other token counts: no recompile between fwd and recompute
             model.zero_grad(set_to_none=True)
-            out = model(local[:, :-1], local[:, 1:])
+            out = model(batch[:, :-1], batch[:, 1:])
             (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
         results[compile] = {"loss": out.loss.detach(), "grads": {n: _full(p.grad) for n, p in model.named_parameters()}}
     if rank == 0:
