@@ -63,11 +63,13 @@ def main() -> None:
     local_batch = t.global_batch // world
     generator = torch.Generator(device="cpu").manual_seed(rank)
 
-    loads = []  # global tokens_per_expert [L, E] of every step
+    losses, loads = [], []  # main loss, global tokens_per_expert [L, E] of every step
 
     def step(i: int) -> None:
         batch = torch.randint(0, mcfg.vocab_size, (local_batch, t.seq_len + 1), generator=generator)
-        loads.append(train.train_step(model, optimizer, batch.to(device, non_blocking=True), t, i)[1])
+        values, tokens_per_expert = train.train_step(model, optimizer, batch.to(device, non_blocking=True), t, i)
+        losses.append(values[0])
+        loads.append(tokens_per_expert)
 
     def synchronize() -> None:
         if device.type == "cuda":
@@ -93,6 +95,7 @@ def main() -> None:
         "mfu": mfu(flops, tokens_per_s_per_gpu, 1, peak) if peak else None,
         "peak_memory_gib": memory_stats().get("memory/peak_allocated_gib"),
         "gflop_per_token": flops / 1e9,
+        "loss_first_last": [losses[0].item(), losses[-1].item()],  # a broken run shows here, not in the speed
     }
     if cfg.parallel.ep > 1:  # the share of routed token copies each EP rank received, extremes over layers and steps
         ep = cfg.parallel.ep
@@ -130,6 +133,8 @@ def main() -> None:
             print(f"\n{result['device']} × {world} | {args.config} {' '.join(overrides)}")
             print(f"{'tokens/s/GPU':>14} {'MFU':>7} {'step ms':>9} {'peak mem':>10}")
             print(f"{tokens_per_s_per_gpu:>14,.0f} {mfu_text:>7} {result['step_ms']:>9.1f} {mem:>10}")
+            print(f"  loss: {result['loss_first_last'][0]:.3f} at the first step, {result['loss_first_last'][1]:.3f} "
+                  "at the last")
             if "ep_rank_share_min_max" in result:
                 low, high = result["ep_rank_share_min_max"]
                 print(f"  routed tokens per EP rank: {100 * low:.1f}% to {100 * high:.1f}% of each layer's")
