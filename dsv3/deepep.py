@@ -17,8 +17,9 @@ that the shared experts overlap it; `wait` joins it. One `deep_ep.Buffer` per pr
 `close()` frees it (train.py calls it before destroy_process_group; an atexit hook covers other entry points).
 Low-precision experts work too: groups are padded to `align` with `pad_groups`, like the other dispatchers.
 
-Under torch.compile only the DeepEP calls run eagerly (`_exchange`, `_start_combine`, `wait`: graph breaks);
-the expand, sort, gather, padding and weighted reduce compile with the block, like all_to_all's permutation.
+Under torch.compile only the DeepEP calls (`_exchange`, `_start_combine`, `wait`) and, for padded groups, the
+choice of buffer size run eagerly (graph breaks); the expand, sort, gather, padding and weighted reduce compile
+with the block, like all_to_all's permutation.
 """
 
 from __future__ import annotations

@@ -108,14 +108,21 @@ def pad_groups(x: torch.Tensor, expert_of_row: torch.Tensor, counts: torch.Tenso
     """
     n_experts = counts.numel()
     size = max(x.size(0) + n_experts * (align - 1), 1)
-    quantum = max(align, 1 << max(size.bit_length() - 5, 0)) if bucket else align  # powers of two
-    size = -(-size // quantum) * quantum
+    size = _bucketed(size, align) if bucket else -(-size // align) * align
     padded = (counts + align - 1) // align * align  # [E]
     starts = padded.cumsum(0) - padded  # [E] group starts in the buffer
     shift = starts - (counts.cumsum(0) - counts)  # [E] how far each group moves down
     rows = torch.arange(x.size(0), device=x.device) + shift[expert_of_row]  # [N]
     padded = torch.cat([padded[:-1], size - starts[-1:]])
     return x.new_zeros(size, x.size(1)).index_copy(0, rows, x), padded, rows
+
+
+@torch.compiler.disable
+def _bucketed(size: int, align: int) -> int:
+    """`size` rounded up to one of 16 sizes per octave (and to `align`). Eager: under torch.compile the octave,
+    `bit_length`, would pin the row count and recompile for every new one."""
+    quantum = max(align, 1 << max(size.bit_length() - 5, 0))  # powers of two
+    return -(-size // quantum) * quantum
 
 
 def combine_token_copies(sorted_y: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -185,10 +185,10 @@ def test_dispatcher_matches_local_dispatcher(align):
 
 @pytest.mark.parametrize("align", [1, 16])
 def test_compiled_dispatcher_compiles_the_expert_side_and_matches_the_local_dispatcher(align):
-    """Under torch.compile (dynamo + AOTAutograd, eager kernels) only DeepEP's calls break the graph: the
-    expand/sort and the weighted reduce land in compiled forward graphs, and outputs and gradients equal the
-    uncompiled local dispatcher's exactly, for two token counts, with padded groups (align 16: bucketed buffer
-    sizes under dynamic shapes) or not. bf16: what the grouped GEMM takes under compile."""
+    """Under torch.compile (dynamo + AOTAutograd, eager kernels) only DeepEP's calls (and the bucket size) break
+    the graph: the expand/sort and the weighted reduce land in compiled forward graphs, and outputs and gradients
+    equal the uncompiled local dispatcher's exactly, for two token counts, with padded groups (align 16: bucketed
+    buffer sizes under dynamic shapes) or not. bf16: what the grouped GEMM takes under compile."""
     torch.manual_seed(0)
     ref = MoE(moe_config())
     for p in ref.parameters():

@@ -204,6 +204,28 @@ def test_bucketed_buffers_take_few_sizes_for_varying_token_counts():
     assert len(sizes) <= 20  # one octave: 16 sizes (vs 63 multiples of 32)
 
 
+def test_bucketed_buffers_compile_once_for_all_token_counts():
+    """Under torch.compile a new received-token count recompiles once (static → dynamic), then never again:
+    the bucket's octave (`bit_length`) once pinned the exact count and recompiled for every new one."""
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    padded = torch.compile(lambda x, expert_of_row, counts: pad_groups(x, expert_of_row, counts, 16, bucket=True),
+                           backend=count)
+    for step, n in enumerate((100, 130, 170, 260, 400, 1000)):
+        expert_of_row = torch.randint(0, 4, (n,)).sort().values
+        counts = torch.bincount(expert_of_row, minlength=4)
+        x = torch.randn(n, 8)
+        for got, want in zip(padded(x, expert_of_row, counts), pad_groups(x, expert_of_row, counts, 16, bucket=True)):
+            assert torch.equal(got, want)
+        if step == 1:
+            compiled_for_two = len(graphs)
+    assert len(graphs) == compiled_for_two
+
+
 @pytest.mark.parametrize("align", [16, 32])
 def test_padded_expert_groups_give_the_unpadded_result(align):
     moe, padded = moe_layer(align=1), moe_layer(align=align)
