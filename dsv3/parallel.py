@@ -24,7 +24,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_sel
 
 from dsv3 import deepep
 from dsv3.model import Transformer
-from dsv3.moe import MoE, combine_token_copies, pad_groups
+from dsv3.moe import LocalDispatcher, MoE, combine_token_copies, pad_groups
 
 
 def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
@@ -242,8 +242,8 @@ def apply_compile(model: Transformer, backend: str | Callable = "inductor") -> N
     would make the recompute run another graph than the forward's, which selective AC rejects: where shapes
     change within a step, shapes are dynamic from the first compile. Only there: dynamic kernels cost 9% of a
     16B step on one H100 (selective AC, 82.1k against 89.8k tokens/s). Call after `apply_expert_parallel`."""
-    shapes_change = len(model.mtp) > 0 or any(isinstance(m.dispatcher, (AllToAllDispatcher, deepep.DeepEPDispatcher))
-                                              for m in moe_layers(model))
+    # only the local dispatcher hands the experts the same number of rows every time
+    shapes_change = len(model.mtp) > 0 or any(not isinstance(m.dispatcher, LocalDispatcher) for m in moe_layers(model))
     for block in blocks(model):
         inner = getattr(block, "_checkpoint_wrapped_module", None)
         if inner is not None and isinstance(inner.ffn, MoE):
