@@ -69,6 +69,19 @@ def _all_reduce_min(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _parallelize(model: Transformer, world: int, ep: int, ac: str = "none", param_dtype: torch.dtype = torch.float32,
+                 compile_backend=None) -> Transformer:
+    """EP (ep > 1) → activation checkpointing → compile (given a backend) → FSDP2, in train.build_model's order."""
+    meshes = parallel.build_meshes("cpu", world, ep)
+    if ep > 1:
+        parallel.apply_expert_parallel(model, meshes)
+    parallel.apply_activation_checkpointing(model, ac)
+    if compile_backend is not None:
+        parallel.apply_compile(model, backend=compile_backend)
+    parallel.apply_fsdp(model, meshes, param_dtype, torch.float32, ep)
+    return model
+
+
 def _worker(rank: int, world: int, ep: int, port: int, out_path: str, ac: str = "none", starve: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -79,12 +92,7 @@ def _worker(rank: int, world: int, ep: int, port: int, out_path: str, ac: str = 
         _starve_last_rank(model, ep)
         for moe in parallel.moe_layers(model):
             moe.experts.register_forward_pre_hook(lambda _, args: expert_rows.append(args[0].size(0)))
-    meshes = parallel.build_meshes("cpu", world, ep)
-    if ep > 1:
-        parallel.apply_expert_parallel(model, meshes)
-    parallel.apply_activation_checkpointing(model, ac)
-    parallel.apply_fsdp(model, meshes, torch.float32, torch.float32, ep)
-    result = _run(model, _batches(), rank, world)
+    result = _run(_parallelize(model, world, ep, ac), _batches(), rank, world)
     if starve:  # the fewest rows any rank's experts were handed
         result["min_expert_rows"] = _all_reduce_min(torch.tensor(min(expert_rows)))
     if rank == 0:
@@ -189,15 +197,9 @@ def _compiled_ac_worker(rank: int, world: int, ep: int, port: int, out_path: str
 
     for compile in (False, True):
         torch.manual_seed(0)
-        model = Transformer(cfg)
-        meshes = parallel.build_meshes("cpu", world, ep)
-        if ep > 1:
-            parallel.apply_expert_parallel(model, meshes)
-        parallel.apply_activation_checkpointing(model, ac)
-        if compile:
-            parallel.apply_compile(model, backend=aot_autograd(fw_compiler=record))
         # bf16 compute: the grouped GEMM traces in bf16 only
-        parallel.apply_fsdp(model, meshes, torch.bfloat16, torch.float32, ep)
+        model = _parallelize(Transformer(cfg), world, ep, ac, torch.bfloat16,
+                             aot_autograd(fw_compiler=record) if compile else None)
         for batch in local:  # the second batch dispatches other token counts: no recompile between fwd and recompute
             model.zero_grad(set_to_none=True)
             out = model(batch[:, :-1], batch[:, 1:])
@@ -245,11 +247,7 @@ def _exchange_count_worker(rank: int, world: int, port: int, out_path: str) -> N
     local = _batches()[0, :TRAIN.global_batch // world]
     counts = {}
     for ac in ("none", "selective"):
-        model = Transformer(CFG)
-        meshes = parallel.build_meshes("cpu", world, world)
-        parallel.apply_expert_parallel(model, meshes)
-        parallel.apply_activation_checkpointing(model, ac)
-        parallel.apply_fsdp(model, meshes, torch.float32, torch.float32, world)
+        model = _parallelize(Transformer(CFG), world, world, ac)
         with _CountExchanges() as counter:
             out = model(local[:, :-1], local[:, 1:])
             (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
