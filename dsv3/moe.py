@@ -126,11 +126,42 @@ def _bucketed(size: int, align: int) -> int:
 
 
 def combine_token_copies(sorted_y: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """Undo the sort by expert (`order`) and reduce each token's K copies: y_t = Σ_k g_t,k · y_t,k."""
-    y = torch.empty_like(sorted_y).index_copy_(0, order, sorted_y)  # back to [T*K] token order
-    y = y.view(*topk_weights.shape, -1)  # [T, K, D]
-    # elementwise, not bmm: a [1, K] × [K, D] batched GEMM with K = 6 runs on a slow unaligned kernel
-    return (y * topk_weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
+    """Undo the sort by expert (`order`: the flat (token, k) slot of each row) and reduce each token's K copies:
+    y_t = Σ_k g_t,k · y_t,k."""
+    row_of_slot = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return weighted_row_sum(sorted_y, topk_weights, row_of_slot.view(topk_weights.shape), order)
+
+
+def weighted_row_sum(rows: torch.Tensor, weights: torch.Tensor, row_of_slot: torch.Tensor,
+                     slot_of_row: torch.Tensor) -> torch.Tensor:
+    """y_t = Σ_k g_t,k · rows[row_of_slot[t, k]], over the slots that hold a row (row_of_slot ≥ 0; the others
+    count as zero). rows [N, D]; weights, row_of_slot [T, K]; slot_of_row [N]: the flat slot of each row, the
+    inverse map. Returns [T, D]."""
+    return _WeightedRowSum.apply(rows, weights, row_of_slot, slot_of_row)
+
+
+class _WeightedRowSum(torch.autograd.Function):
+    """Both directions are gathers, which inductor fuses with the weighting into one kernel each: the [T·K, D]
+    token copies are never written out (a scatter back to token order would be), and each row's gradient is
+    its one slot's g_t,k · ∂y_t. Elementwise, not bmm: a [1, K] × [K, D] batched GEMM with K = 6 runs on a
+    slow unaligned kernel."""
+
+    @staticmethod
+    def forward(ctx, rows, weights, row_of_slot, slot_of_row):
+        valid = row_of_slot >= 0
+        slot_weights = torch.where(valid, weights, 0.0).to(rows.dtype)  # [T, K]; junk weights of empty slots: 0
+        ctx.save_for_backward(rows, slot_weights, row_of_slot, slot_of_row)
+        ctx.weights_dtype = weights.dtype
+        return (rows[row_of_slot.clamp(min=0)] * slot_weights.unsqueeze(-1)).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        rows, slot_weights, row_of_slot, slot_of_row = ctx.saved_tensors
+        K = row_of_slot.size(1)
+        grad_rows = grad_y[slot_of_row // K] * slot_weights.flatten()[slot_of_row].unsqueeze(-1)  # [N, D]
+        grad_weights = (grad_y.unsqueeze(1) * rows[row_of_slot.clamp(min=0)]).sum(dim=-1)  # [T, K]
+        grad_weights = torch.where(row_of_slot >= 0, grad_weights, 0.0).to(ctx.weights_dtype)
+        return grad_rows, grad_weights, None, None
 
 
 class GroupedExperts(nn.Module):

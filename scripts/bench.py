@@ -1,8 +1,10 @@
 """Training-step benchmark: `python scripts/bench.py --config configs/16b_4layer.toml [--steps 20] [--json]
 [--section.key=value ...]` (also under torchrun).
 
-Warm-up steps (compile, allocator), then timed steps on random tokens: tokens/s per GPU, MFU, peak memory;
-then a few profiled steps whose CUDA kernel time is split by phase from kernel names.
+Warm-up steps (compile, allocator), then timed steps on random tokens at train.py's lr schedule: tokens/s per GPU,
+MFU, peak memory; then a few profiled steps whose CUDA kernel time is split by phase from kernel names. At ep > 1
+it prints each EP rank's share of the routed tokens: at a constant full lr from step 1, random tokens collapse the
+routing within a few steps (one rank got every token), which is not a throughput anyone trains at.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ def main() -> None:
     losses, loads = [], []  # main loss, global tokens_per_expert [L, E] of every step
 
     def step(i: int) -> None:
+        for group in optimizer.param_groups:  # train.py's schedule (see the module docstring)
+            group["lr"] = train.lr_at(i, t)
         batch = torch.randint(0, mcfg.vocab_size, (local_batch, t.seq_len + 1), generator=generator)
         values, tokens_per_expert = train.train_step(model, optimizer, batch.to(device, non_blocking=True), t, i)
         losses.append(values[0])

@@ -219,7 +219,8 @@ def test_compiled_dispatcher_compiles_the_expert_side_and_matches_the_local_disp
     finally:
         torch._dynamo.reset()
     captured = [str(node.target) for gm in forward_graphs for node in gm.graph.nodes]
-    assert any("sort" in t for t in captured) and any("index_copy" in t for t in captured), captured
+    # sort: expert_rows; scatter.src: the weighted reduce's slot → row map
+    assert any("sort" in t for t in captured) and any("aten.scatter.src" in t for t in captured), captured
 
 
 def test_deepep_on_cpu_is_a_clear_startup_error():
@@ -267,6 +268,10 @@ GPU_CASES = {
     # the routers never pick rank 1's experts: it receives no tokens (R = N = 0)
     "16B-cut-compiled-starved": dict(flavor="16B", model={"n_layers": 2}, seq_len=1024, local_batch=2, compile=True,
                                      starve=True),
+    # fp8 expert GEMMs: both dispatchers pad groups into bucketed buffers (align 16) under dynamic shapes. fp8
+    # rounding (3 mantissa bits) amplifies the backends' bf16 differences: 6.5e-2 on 2 H200s; a misplaced row is O(1)
+    "16B-cut-compiled-fp8-experts": dict(flavor="16B", model={"n_layers": 2}, seq_len=1024, local_batch=2,
+                                         compile=True, precision="fp8", expert_precision="low", grad_tol=0.15),
 }
 STEPS = 3
 
@@ -300,7 +305,9 @@ def _gpu_worker(rank: int, world: int, port: int, case: str, out_path: str) -> N
         train_cfg = TrainConfig(global_batch=spec["local_batch"] * world, micro_batch=spec["local_batch"],
                                 seq_len=spec["seq_len"], warmup_steps=0, steps=STEPS, lr=3e-4,
                                 compile=spec.get("compile", False),
-                                activation_checkpoint=spec.get("activation_checkpoint", "none"))
+                                activation_checkpoint=spec.get("activation_checkpoint", "none"),
+                                precision=spec.get("precision", "bf16"),
+                                expert_precision=spec.get("expert_precision", "bf16"))
         cfg = Config(flavor=spec["flavor"], model=spec["model"], train=train_cfg,
                      parallel=ParallelConfig(ep=world, ep_backend=backend))
         runs[backend] = _gpu_run(cfg, world, rank, device, spec.get("starve", False))
@@ -330,4 +337,4 @@ def test_deepep_matches_all_to_all_on_gpus(case, tmp_path):
           f"{losses['deepep'].tolist()}\n{case}: worst relative gradient difference {worst[1]:.2e} ({worst[0]})")
     # bf16: the two backends round each token's sum over experts differently (DeepEP: per rank, then across)
     torch.testing.assert_close(losses["deepep"], losses["all_to_all"], rtol=5e-3, atol=1e-3)
-    assert worst[1] < 3e-2, worst
+    assert worst[1] < GPU_CASES[case].get("grad_tol", 3e-2), worst

@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dsv3.config import ModelConfig
 from dsv3.model import Block, rope_frequencies
-from dsv3.moe import GroupedExperts, MoE, Router, sequence_balance_loss, update_expert_bias
+from dsv3.moe import GroupedExperts, MoE, Router, sequence_balance_loss, update_expert_bias, weighted_row_sum
 
 
 def moe_config(**overrides) -> ModelConfig:
@@ -216,6 +216,27 @@ def test_grouped_experts_match_per_expert_loop_forward_and_backward():
     for e in (0, 2, 5):  # experts without tokens get exactly zero gradient
         assert experts.w13.grad[e].abs().sum() == 0 and experts.w2.grad[e].abs().sum() == 0
     assert experts.w13.grad[3].abs().sum() > 0
+
+
+def test_weighted_row_sum_matches_the_dense_slot_sum_forward_and_backward():
+    """y_t = Σ_k g_t,k · rows[row_of_slot[t, k]], empty slots (−1) counting as zero, with junk weights there;
+    against the [T, K, D] scatter-then-sum it replaces, gradients of rows and weights included."""
+    T, K, D = 5, 3, 4
+    row_of_slot = torch.tensor([[2, -1, 0], [-1, -1, 5], [1, 3, -1], [-1, 4, -1], [-1, -1, -1]])
+    slot_of_row = torch.tensor([2, 6, 0, 7, 10, 5])  # the inverse map
+    rows = torch.randn(6, D, dtype=torch.float64, requires_grad=True)
+    weights = torch.rand(T, K, dtype=torch.float64, requires_grad=True)
+    probe = torch.randn(T, D, dtype=torch.float64)
+    y = weighted_row_sum(rows, weights, row_of_slot, slot_of_row)
+    (y * probe).sum().backward()
+    got = (y.detach(), rows.grad.clone(), weights.grad.clone())
+    rows.grad = weights.grad = None
+    copies = rows.new_zeros(T * K, D).index_copy(0, slot_of_row, rows).view(T, K, D)
+    want = (copies * (weights * (row_of_slot >= 0)).unsqueeze(-1)).sum(dim=1)
+    (want * probe).sum().backward()
+    for a, b in zip(got, (want.detach(), rows.grad, weights.grad)):
+        torch.testing.assert_close(a, b)
+    assert y[4].abs().max() == 0 and (got[2][row_of_slot < 0] == 0).all()
 
 
 @pytest.mark.parametrize("n_shared_experts", [0, 2])
