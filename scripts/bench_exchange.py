@@ -5,8 +5,9 @@ backward, for each EP backend. `torchrun --nproc_per_node=2 scripts/bench_exchan
 The defaults are one cut-16B MoE layer at local batch 4 × 4096; DeepEP's own intranode test uses
 `--tokens 4096 --dim 7168 --experts 256 --topk 8`. Routing is a random top-k of a softmax (about uniform load).
 Times are medians over CUDA events, in ms, on rank 0: the dispatcher's whole call (its permutation, host sync and
-weighting included), not only the exchange kernels. With identity experts, combine must return Σ_k g_k · x_t:
-the script checks that for every backend.
+weighting included), not only the exchange kernels. As in training, dispatch and combine are compiled (only the
+exchange itself runs eagerly); `--eager` times them uncompiled. With identity experts, combine must return
+Σ_k g_k · x_t: the script checks that for every backend.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--backends", default="all_to_all,deepep")
     parser.add_argument("--sms", type=int, default=24, help="SMs DeepEP's kernels use (parallel.deepep_sms)")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--eager", action="store_true", help="do not torch.compile dispatch and combine")
     args = parser.parse_args()
     rank, world, device = parallel.init_distributed("cuda")
     backends = args.backends.split(",")
@@ -75,6 +77,8 @@ def main() -> None:
             dispatcher = deepep.DeepEPDispatcher(deepep.get_buffer(group, args.dim, args.sms), args.experts)
         else:
             dispatcher = parallel.AllToAllDispatcher(group, args.experts)
+        if not args.eager:
+            dispatcher.dispatch, dispatcher.combine = map(torch.compile, (dispatcher.dispatch, dispatcher.combine))
         (dispatch_ms, combine_ms), y = time_layer(dispatcher, x, topk_idx, topk_weights, tokens_per_expert,
                                                   False, args.iters)
         (_, _, backward_ms), _ = time_layer(dispatcher, x, topk_idx, topk_weights, tokens_per_expert, True,
@@ -87,8 +91,8 @@ def main() -> None:
         if error > 0.05 * expected.float().abs().max().item():
             raise RuntimeError(f"{backend}: combine(dispatch(x)) is off by {error} from Σ_k g_k · x")
     if rank == 0:
-        print(json.dumps({"ep": world, "tokens": args.tokens, "dim": args.dim, "experts": args.experts,
-                          "topk": args.topk, **results}, indent=1))
+        print(json.dumps({"ep": world, "compiled": not args.eager, "tokens": args.tokens, "dim": args.dim,
+                          "experts": args.experts, "topk": args.topk, **results}, indent=1))
     deepep.close()
     dist.destroy_process_group()
 
