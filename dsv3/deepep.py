@@ -104,7 +104,8 @@ def expert_rows(recv_topk_idx: torch.Tensor, n_local: int, n_rows: int
 def reduce_expert_rows(expert_y: torch.Tensor, order: torch.Tensor, recv_topk_idx: torch.Tensor,
                        recv_topk_weights: torch.Tensor) -> torch.Tensor:
     """y_r = Σ_{k local} g_r,k · expert_y of slot (r, k): one row per received token, ready for DeepEP's
-    unweighted combine. expert_y [N, D] in `expert_rows` order; returns [R, D] (R may be 0).
+    unweighted combine. expert_y [N, D] in `expert_rows` order; returns [R, D] (R may be 0; R > 0 implies N > 0:
+    DeepEP sends a token only to ranks that hold one of its experts).
 
     A gather per received token's slots (moe.weighted_row_sum), which reads only the N real rows: the R·K slots
     are about twice N at EP 2 and grow with the EP size (other ranks' slots are empty)."""

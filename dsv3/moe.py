@@ -135,8 +135,8 @@ def combine_token_copies(sorted_y: torch.Tensor, order: torch.Tensor, topk_weigh
 def weighted_row_sum(rows: torch.Tensor, weights: torch.Tensor, row_of_slot: torch.Tensor,
                      slot_of_row: torch.Tensor) -> torch.Tensor:
     """y_t = Σ_k g_t,k · rows[row_of_slot[t, k]], over the slots that hold a row (row_of_slot ≥ 0; the others
-    count as zero). rows [N, D]; weights, row_of_slot [T, K]; slot_of_row [N]: the flat slot of each row, the
-    inverse map. Returns [T, D]."""
+    count as zero). rows [N, D], N ≥ 1 unless T = 0; weights, row_of_slot [T, K]; slot_of_row [N]: the flat slot of
+    each row, the inverse map. Returns [T, D]. Not twice differentiable."""
     return _WeightedRowSum.apply(rows, weights, row_of_slot, slot_of_row)
 
 
@@ -152,7 +152,9 @@ class _WeightedRowSum(torch.autograd.Function):
         slot_weights = torch.where(valid, weights, 0.0).to(rows.dtype)  # [T, K]; junk weights of empty slots: 0
         ctx.save_for_backward(rows, slot_weights, row_of_slot, slot_of_row)
         ctx.weights_dtype = weights.dtype
-        return (rows[row_of_slot.clamp(min=0)] * slot_weights.unsqueeze(-1)).sum(dim=1)
+        # empty slots read row 0: select, not multiply by 0, so that a non-finite row 0 stays its own token's
+        weighted = torch.where(valid.unsqueeze(-1), rows[row_of_slot.clamp(min=0)] * slot_weights.unsqueeze(-1), 0.0)
+        return weighted.sum(dim=1)
 
     @staticmethod
     def backward(ctx, grad_y):

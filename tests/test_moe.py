@@ -219,20 +219,20 @@ def test_grouped_experts_match_per_expert_loop_forward_and_backward():
 
 
 def test_weighted_row_sum_matches_the_dense_slot_sum_forward_and_backward():
-    """y_t = Σ_k g_t,k · rows[row_of_slot[t, k]], empty slots (−1) counting as zero, with junk weights there;
-    against the [T, K, D] scatter-then-sum it replaces, gradients of rows and weights included."""
+    """y_t = Σ_k g_t,k · rows[row_of_slot[t, k]], empty slots (−1) counting as zero whatever their weights (NaN
+    here); against the [T, K, D] scatter-then-sum it replaces, gradients of rows and weights included."""
     T, K, D = 5, 3, 4
     row_of_slot = torch.tensor([[2, -1, 0], [-1, -1, 5], [1, 3, -1], [-1, 4, -1], [-1, -1, -1]])
     slot_of_row = torch.tensor([2, 6, 0, 7, 10, 5])  # the inverse map
     rows = torch.randn(6, D, dtype=torch.float64, requires_grad=True)
-    weights = torch.rand(T, K, dtype=torch.float64, requires_grad=True)
+    weights = torch.rand(T, K, dtype=torch.float64).masked_fill(row_of_slot < 0, float("nan")).requires_grad_()
     probe = torch.randn(T, D, dtype=torch.float64)
     y = weighted_row_sum(rows, weights, row_of_slot, slot_of_row)
     (y * probe).sum().backward()
     got = (y.detach(), rows.grad.clone(), weights.grad.clone())
     rows.grad = weights.grad = None
     copies = rows.new_zeros(T * K, D).index_copy(0, slot_of_row, rows).view(T, K, D)
-    want = (copies * (weights * (row_of_slot >= 0)).unsqueeze(-1)).sum(dim=1)
+    want = (copies * torch.where(row_of_slot >= 0, weights, 0.0).unsqueeze(-1)).sum(dim=1)
     (want * probe).sum().backward()
     for a, b in zip(got, (want.detach(), rows.grad, weights.grad)):
         torch.testing.assert_close(a, b)
