@@ -7,7 +7,7 @@ DeepEP sends each token to a rank once, however many of its experts live there: 
 received token once, `recv_topk_idx` [R, K] its top-k as *local* expert ids (−1: an expert on another rank).
 The expert side expands that to one row per (token, local expert), sorted by local expert for the grouped GEMM
 (`expert_rows`), and after the experts weights each row by its gate weight and sums a token's rows back into
-one (`reduce_expert_rows`): DeepEP's combine is an unweighted sum over ranks, so it then yields
+one (`moe.combine_token_copies`): DeepEP's combine is an unweighted sum over ranks, so it then yields
 y_t = Σ_ranks Σ_{k on that rank} g_t,k · FFN_k(x_t) on the token's own rank.
 
 Autograd: dispatch's backward is a combine (of the gradients of recv_x and of the gate weights), combine's
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsv3.moe import pad_groups, weighted_row_sum
+from dsv3.moe import combine_token_copies, pad_groups
 
 SUPPORTED_EP = (2, 4, 8)  # DeepEP's intranode (NVLink) kernels; more ranks need its NVSHMEM internode build
 _buffer = None  # the process's deep_ep.Buffer
@@ -101,20 +101,6 @@ def expert_rows(recv_topk_idx: torch.Tensor, n_local: int, n_rows: int
     return order, local[order], counts[:n_local]
 
 
-def reduce_expert_rows(expert_y: torch.Tensor, order: torch.Tensor, recv_topk_idx: torch.Tensor,
-                       recv_topk_weights: torch.Tensor) -> torch.Tensor:
-    """y_r = Σ_{k local} g_r,k · expert_y of slot (r, k): one row per received token, ready for DeepEP's
-    unweighted combine. expert_y [N, D] in `expert_rows` order; returns [R, D] (R may be 0; R > 0 implies N > 0:
-    DeepEP sends a token only to ranks that hold one of its experts).
-
-    A gather per received token's slots (moe.weighted_row_sum), which reads only the N real rows: the R·K slots
-    are about twice N at EP 2 and grow with the EP size (other ranks' slots are empty)."""
-    R, K = recv_topk_idx.shape
-    row_of_slot = torch.full((R * K,), -1, dtype=order.dtype, device=order.device)
-    row_of_slot = row_of_slot.scatter(0, order, torch.arange(order.numel(), device=order.device))
-    return weighted_row_sum(expert_y, recv_topk_weights, row_of_slot.view(R, K), order)
-
-
 class _Dispatch(torch.autograd.Function):
     """buffer.dispatch of tokens and gate weights; backward: buffer.combine of both gradients."""
 
@@ -173,14 +159,16 @@ class DeepEPDispatcher:
         if self.align > 1 or not n_rows:  # N varies by step: few buffer sizes; none received: one row
             expert_x, tokens_per_local_expert, rows = pad_groups(
                 expert_x, expert_of_row, tokens_per_local_expert, self.align, bucket=True)
-        return expert_x, tokens_per_local_expert, (order, recv_idx, recv_weights, rows, handle)
+        return expert_x, tokens_per_local_expert, (order, recv_weights, rows, handle)
 
     def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Starts the exchange and returns y before it has arrived: call `wait(y)` before reading y."""
-        order, recv_idx, recv_weights, rows, handle = ctx
+        order, recv_weights, rows, handle = ctx
         if rows is not None:
             expert_y = expert_y[rows]  # the real rows only
-        token_y = reduce_expert_rows(expert_y, order, recv_idx, recv_weights)  # [R, D]
+        # one row per received token, R may be 0 (R > 0 implies N > 0: DeepEP sends a token only to ranks that
+        # hold one of its experts); a gather of the N real rows, though other ranks' slots make R·K ≈ 2N at EP 2
+        token_y = combine_token_copies(expert_y, order, recv_weights)  # [R, D]
         return self._start_combine(token_y, handle)
 
     @torch.compiler.disable

@@ -125,26 +125,21 @@ def _bucketed(size: int, align: int) -> int:
     return -(-size // quantum) * quantum
 
 
-def combine_token_copies(sorted_y: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """Undo the sort by expert (`order`: the flat (token, k) slot of each row) and reduce each token's K copies:
-    y_t = Σ_k g_t,k · y_t,k."""
-    row_of_slot = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return weighted_row_sum(sorted_y, topk_weights, row_of_slot.view(topk_weights.shape), order)
+def combine_token_copies(rows: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Undo the sort by expert and reduce each token's copies: y_t = Σ_k g_t,k · (the row in slot (t, k)).
 
-
-def weighted_row_sum(rows: torch.Tensor, weights: torch.Tensor, row_of_slot: torch.Tensor,
-                     slot_of_row: torch.Tensor) -> torch.Tensor:
-    """y_t = Σ_k g_t,k · rows[row_of_slot[t, k]], over the slots that hold a row (row_of_slot ≥ 0; the others
-    count as zero). rows [N, D], N ≥ 1 unless T = 0; weights, row_of_slot [T, K]; slot_of_row [N]: the flat slot of
-    each row, the inverse map. Returns [T, D]. Not twice differentiable."""
-    return _WeightedRowSum.apply(rows, weights, row_of_slot, slot_of_row)
+    rows [N, D]; order [N]: the flat (token, k) slot of each row; topk_weights [T, K]. Slots that hold no row
+    (under DeepEP: experts on other ranks, whose weights are junk) count as zero; N ≥ 1 unless T = 0."""
+    row_of_slot = torch.full((topk_weights.numel(),), -1, dtype=order.dtype, device=order.device)
+    row_of_slot = row_of_slot.scatter(0, order, torch.arange(order.numel(), device=order.device))
+    return _WeightedRowSum.apply(rows, topk_weights, row_of_slot.view(topk_weights.shape), order)
 
 
 class _WeightedRowSum(torch.autograd.Function):
-    """Both directions are gathers, which inductor fuses with the weighting into one kernel each: the [T·K, D]
-    token copies are never written out (a scatter back to token order would be), and each row's gradient is
-    its one slot's g_t,k · ∂y_t. Elementwise, not bmm: a [1, K] × [K, D] batched GEMM with K = 6 runs on a
-    slow unaligned kernel."""
+    """combine_token_copies (not twice differentiable). Both directions are gathers, which inductor fuses with the
+    weighting into one kernel each: the [T·K, D] token copies are never written out (a scatter back to token
+    order would be), and each row's gradient is its one slot's g_t,k · ∂y_t. Elementwise, not bmm: a [1, K] ×
+    [K, D] batched GEMM with K = 6 runs on a slow unaligned kernel."""
 
     @staticmethod
     def forward(ctx, rows, weights, row_of_slot, slot_of_row):

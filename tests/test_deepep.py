@@ -17,8 +17,8 @@ from torch._functorch.aot_autograd import make_boxed_func
 import train
 from dsv3 import deepep, parallel
 from dsv3.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from dsv3.deepep import DeepEPDispatcher, expert_rows, reduce_expert_rows
-from dsv3.moe import GroupedExperts, LocalDispatcher, MoE
+from dsv3.deepep import DeepEPDispatcher, expert_rows
+from dsv3.moe import GroupedExperts, LocalDispatcher, MoE, combine_token_copies
 from conftest import free_port, torchrun_env
 
 E, K, D, INTER, T = 8, 3, 16, 32, 12  # experts, top-k, dim, expert hidden, tokens per rank
@@ -76,7 +76,7 @@ def simulated_deepep_moe(experts, xs, idxs, weights, ep: int) -> list[torch.Tens
         recv_x, recv_idx, recv_w = torch.cat(recv_x), torch.cat(recv_idx), torch.cat(recv_w)
         order, _, counts = expert_rows(recv_idx, n_local, int((recv_idx >= 0).sum()))
         expert_y = run_experts(experts, d * n_local, (d + 1) * n_local, recv_x[order // K], counts)
-        token_y = reduce_expert_rows(expert_y, order, recv_idx, recv_w)  # [R, D]
+        token_y = combine_token_copies(expert_y, order, recv_w)  # [R, D]
         start = 0
         for s, sent in sources:  # combine: an unweighted sum at the source
             outputs[s] = outputs[s].index_add(0, sent, token_y[start:start + sent.numel()])
@@ -85,8 +85,7 @@ def simulated_deepep_moe(experts, xs, idxs, weights, ep: int) -> list[torch.Tens
 
 
 def test_reduce_of_a_rank_that_received_no_tokens_is_empty():
-    y = reduce_expert_rows(torch.zeros(0, 8), torch.zeros(0, dtype=torch.int64),
-                           torch.zeros(0, 3, dtype=torch.int64), torch.zeros(0, 3))
+    y = combine_token_copies(torch.zeros(0, 8), torch.zeros(0, dtype=torch.int64), torch.zeros(0, 3))
     assert y.shape == (0, 8)
 
 

@@ -9,7 +9,8 @@ from torch.utils.checkpoint import checkpoint
 
 from dsv3.config import ModelConfig
 from dsv3.model import Block, rope_frequencies
-from dsv3.moe import GroupedExperts, MoE, Router, sequence_balance_loss, update_expert_bias, weighted_row_sum
+from dsv3.moe import (GroupedExperts, MoE, Router, combine_token_copies, sequence_balance_loss,
+                      update_expert_bias)
 
 
 def moe_config(**overrides) -> ModelConfig:
@@ -218,7 +219,7 @@ def test_grouped_experts_match_per_expert_loop_forward_and_backward():
     assert experts.w13.grad[3].abs().sum() > 0
 
 
-def test_weighted_row_sum_matches_the_dense_slot_sum_forward_and_backward():
+def test_combine_token_copies_matches_the_dense_slot_sum_forward_and_backward():
     """y_t = Σ_k g_t,k · rows[row_of_slot[t, k]], empty slots (−1) counting as zero whatever their weights (NaN
     here); against the [T, K, D] scatter-then-sum it replaces, gradients of rows and weights included."""
     T, K, D = 5, 3, 4
@@ -227,7 +228,7 @@ def test_weighted_row_sum_matches_the_dense_slot_sum_forward_and_backward():
     rows = torch.randn(6, D, dtype=torch.float64, requires_grad=True)
     weights = torch.rand(T, K, dtype=torch.float64).masked_fill(row_of_slot < 0, float("nan")).requires_grad_()
     probe = torch.randn(T, D, dtype=torch.float64)
-    y = weighted_row_sum(rows, weights, row_of_slot, slot_of_row)
+    y = combine_token_copies(rows, slot_of_row, weights)
     (y * probe).sum().backward()
     got = (y.detach(), rows.grad.clone(), weights.grad.clone())
     rows.grad = weights.grad = None
