@@ -9,6 +9,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 
+class UserError(ValueError):
+    """Bad input the user can fix (config, data, tokenizer, paths, hardware, a plan that cannot fit): train.py and
+    the scripts report it as one line on stderr with exit code 2, no traceback. The message names the fix."""
+
+
 @dataclass
 class ModelConfig:
     """DeepSeek-V3 hyper-parameters, named as in DeepSeek's `ModelArgs`."""
