@@ -4,7 +4,10 @@ overrides. Every check that can fail on user input lives here and says what to c
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -12,6 +15,16 @@ from typing import Any
 class UserError(ValueError):
     """Bad input the user can fix (config, data, tokenizer, paths, hardware, a plan that cannot fit): train.py and
     the scripts report it as one line on stderr with exit code 2, no traceback. The message names the fix."""
+
+
+def run_main(main: Callable[[], object]) -> None:
+    """Run an entry point: a UserError is one line on stderr (rank 0 only under torchrun) and exit code 2."""
+    try:
+        main()
+    except UserError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 @dataclass
@@ -131,6 +144,7 @@ class TrainConfig:
     mtp_lambda_switch: float = 0.7
     precision: str = "bf16"  # bf16 | fp8 | mxfp8 | mxfp8-emulated
     expert_precision: str = "bf16"  # bf16 | low (the `precision` path for the routed experts)
+    optimizer_state_dtype: str = "fp32"  # fp32 | bf16: AdamW's moments (the paper keeps them in bf16, §3.3)
     fp8_recipe: str = "rowwise"  # rowwise | tensorwise (tensorwise all-gathers fp8 under FSDP2)
     precision_skip: list[str] = field(default_factory=list)  # dense linears whose name contains one stay bf16
     compile: bool = False  # torch.compile each block
@@ -151,6 +165,9 @@ class ParallelConfig:
     ep: int = 1  # expert-parallel degree; divides world size and n_routed_experts
     ep_backend: str = "all_to_all"  # all_to_all | deepep
     deepep_sms: int = 24  # SMs DeepEP's kernels take (even) when ep_backend = "deepep"; the rest compute
+    # true: skip FSDP's reduce-scatter on all but the last micro-batch (less communication, but every rank holds
+    # a full unsharded fp32 gradient of every parameter until the step)
+    accumulate_unsharded_grads: bool = False
 
 
 @dataclass
@@ -196,6 +213,7 @@ _CHOICES = {
     ("train", "precision"): ("bf16", "fp8", "mxfp8", "mxfp8-emulated"),
     ("train", "expert_precision"): ("bf16", "low"),
     ("train", "fp8_recipe"): ("rowwise", "tensorwise"),
+    ("train", "optimizer_state_dtype"): ("fp32", "bf16"),
     ("train", "activation_checkpoint"): ("none", "full", "selective"),
     ("train", "device"): ("auto", "cpu", "cuda"),
     ("parallel", "ep_backend"): ("all_to_all", "deepep"),
