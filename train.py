@@ -23,6 +23,7 @@ from dsv3.data import PackedLoader, read_index
 from dsv3.metrics import MetricsLogger, expert_load_stats, flops_per_token, memory_stats, mfu, peak_flops
 from dsv3.model import Transformer
 from dsv3.moe import update_expert_bias
+from dsv3.plan import check_fits
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
@@ -159,6 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     # Check every input before anything expensive is built.
     rank, world, device = parallel.init_distributed(t.device)
     check_setup(cfg, world, device)
+    if device.type == "cuda":  # a config that cannot fit stops here, before any weight is allocated
+        memory_plan = check_fits(cfg, world, torch.cuda.get_device_name(device),
+                                 torch.cuda.get_device_properties(device).total_memory)
+        if rank == 0:
+            print(memory_plan.summary(), flush=True)
     data_vocab = read_index(Path(cfg.data.path) / "train")["vocab_size"]
     if data_vocab > mcfg.vocab_size:
         raise ValueError(f"the data's tokenizer has {data_vocab} tokens but model.vocab_size is "

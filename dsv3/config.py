@@ -168,6 +168,7 @@ class ParallelConfig:
     # true: skip FSDP's reduce-scatter on all but the last micro-batch (less communication, but every rank holds
     # a full unsharded fp32 gradient of every parameter until the step)
     accumulate_unsharded_grads: bool = False
+    gpus: int = 0  # the cluster this config is written for, as scripts/plan.py plans it (0: parallel.ep GPUs)
 
 
 @dataclass

@@ -1,0 +1,340 @@
+"""The run planner: per-GPU memory, itemised, and step time / tokens per second per GPU, from a Config, a GPU
+count and a GPU kind, before anything is built. train.py checks the plan at start-up; scripts/plan.py prints it.
+
+Memory follows what the trainer holds (FSDP2 with bf16 compute over fp32 master weights, AdamW): sharded fp32
+parameters and gradients, two moments, FSDP's unsharded bf16 buffers, the tensors each block saves for backward
+by activation-checkpointing mode, the chunked loss, EP's receive buffers. The peak is taken over a sweep of the
+backward pass: activations are freed block by block while sharded gradients appear.
+Step time: FLOPs at measured kernel rates, memory-bound work over HBM bandwidth, and the exposed part of FSDP's
+and EP's communication over stated link bandwidths. Every constant below is an assumption, said where it is set.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from dsv3.config import Config, ModelConfig, UserError
+from dsv3.metrics import active_matmul_params
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU kind: the memory torch can allocate, and the rates the trainer achieves on it."""
+
+    memory_gib: float  # torch.cuda.get_device_properties().total_memory
+    dense_tflops: float  # bf16 nn.Linear GEMMs, achieved
+    grouped_tflops: float  # bf16 torch._grouped_mm (routed experts), achieved
+    attention_tflops: float  # cuDNN SDPA, causal, counted as in metrics.flops_per_token
+    hbm_tb_s: float  # datasheet HBM bandwidth
+    nvlink_gb_s: float  # achievable per direction per GPU within a node
+    gpus_per_node: int = 8
+
+
+# H100 rates: measured in our 16B-cut profile (one H100, 4 × 4096). H200: the same chips, measured in the
+# 671B-width-cut profile (one H200, 2 × 4096). B200: no measurement: the datasheet's 2.25 PFLOP/s dense bf16
+# scaled by the efficiency measured on Hopper (÷ 989 TFLOP/s), HBM 8 TB/s, NVLink 5.
+_B200_SCALE = 2250 / 989
+GPUS: dict[str, GPU] = {
+    "h100": GPU(memory_gib=79.1, dense_tflops=750, grouped_tflops=650, attention_tflops=346, hbm_tb_s=3.35,
+                nvlink_gb_s=450),
+    "h200": GPU(memory_gib=139.0, dense_tflops=763, grouped_tflops=721, attention_tflops=375, hbm_tb_s=4.8,
+                nvlink_gb_s=450),
+    "b200": GPU(memory_gib=178.0, dense_tflops=763 * _B200_SCALE, grouped_tflops=721 * _B200_SCALE,
+                attention_tflops=375 * _B200_SCALE, hbm_tb_s=8.0, nvlink_gb_s=900),
+}
+INFINIBAND_GB_S = 40.0  # 400 Gb/s per GPU, ~40 GB/s achievable
+# Calibrated against our measurements (one factor per term family; the tests pin them):
+# the saved-tensor count below is what eager autograd keeps; torch.compile keeps fewer (it recomputes cheap
+# elementwise ops) while the caching allocator rounds and fragments: one factor absorbs both.
+ACTIVATION_FACTOR = 0.75
+# allocator and compile workspaces, cuBLAS/cuDNN workspaces: seen as a constant in every measurement
+OVERHEAD_GIB = 1.5
+# fused AdamW streams each state once: achieved fraction of HBM bandwidth (34 ms on H100, 66 ms on H200)
+OPTIMIZER_HBM_EFFICIENCY = 0.53
+# elementwise ops, norms, copies, routing, permutation and the loss's softmax: the bytes of the activations the
+# blocks write (the no-AC saved set) and of FSDP's per-micro-batch casts of the unsharded parameters and
+# gradients (fp32 → bf16 parameters, bf16 → fp32 gradients: 14 bytes each), at this fraction of HBM bandwidth
+OTHER_HBM_EFFICIENCY = 0.225
+# our all_to_all reaches this fraction of the link bandwidth (one 16B MoE layer's four exchanges: 6.1 ms on
+# 2 H200s); it blocks on the split sizes, so it is never overlapped with compute
+ALL_TO_ALL_EFFICIENCY = 0.29
+# routed tokens per rank vary around the balanced T·K: receive buffers and expert activations get headroom
+EP_HEADROOM = 1.25
+FIT_FRACTION = 0.95  # the plan must stay under this share of the GPU's memory
+LOSS_CHUNK = 4096  # dsv3.model.linear_cross_entropy's chunk
+
+
+def _attention_params(mc: ModelConfig) -> int:
+    d, H = mc.dim, mc.n_heads
+    if mc.q_lora_rank:
+        q = d * mc.q_lora_rank + mc.q_lora_rank + mc.q_lora_rank * H * mc.qk_head_dim  # wq_a, q_norm, wq_b
+    else:
+        q = d * H * mc.qk_head_dim
+    kv = d * (mc.kv_lora_rank + mc.qk_rope_head_dim) + mc.kv_lora_rank  # wkv_a, kv_norm
+    return q + kv + mc.kv_lora_rank * H * (mc.qk_nope_head_dim + mc.v_head_dim) + H * mc.v_head_dim * d
+
+
+def _block_params(mc: ModelConfig, moe: bool) -> tuple[int, int]:
+    """(dense, routed-expert) parameters of one Block: norms, MLA, and a dense MLP or router + shared + experts."""
+    d, I = mc.dim, mc.moe_inter_dim
+    dense = 2 * d + _attention_params(mc)
+    if not moe:
+        return dense + 3 * d * mc.inter_dim, 0
+    return dense + mc.n_routed_experts * d + 3 * d * mc.n_shared_experts * I, 3 * mc.n_routed_experts * d * I
+
+
+def _root_params(mc: ModelConfig) -> int:
+    """Outside the blocks (the root FSDP unit): embedding, final norm, head, and each MTP depth's norms + eh_proj."""
+    return 2 * mc.vocab_size * mc.dim + mc.dim + mc.n_mtp_layers * (3 * mc.dim + 2 * mc.dim * mc.dim)
+
+
+def param_counts(mc: ModelConfig) -> tuple[int, int]:
+    """(dense parameters, routed-expert parameters) of Transformer(mc), exactly."""
+    n_moe = mc.n_layers - mc.n_dense_layers + mc.n_mtp_layers  # MTP blocks are MoE blocks
+    dense_block, _ = _block_params(mc, moe=False)
+    moe_dense, experts = _block_params(mc, moe=True)
+    return _root_params(mc) + mc.n_dense_layers * dense_block + n_moe * moe_dense, n_moe * experts
+
+
+def _saved_per_token(mc: ModelConfig, moe: bool, ep: int) -> tuple[dict[str, float], float]:
+    """bf16 elements one block saves for backward per token, by AC mode (fp32 tensors count twice), and the part
+    of them that is EP's: the received copies' headroom over a balanced router's T·K."""
+    d, H, K, I = mc.dim, mc.n_heads, mc.n_activated_experts, mc.moe_inter_dim
+    q = H * mc.qk_head_dim
+    q_lora = mc.q_lora_rank  # wq_a's output (its norm's output is counted in the factor)
+    kv = (mc.kv_lora_rank + mc.qk_rope_head_dim) + mc.kv_lora_rank + H * (mc.qk_nope_head_dim + mc.v_head_dim)
+    sdpa_out = H * mc.v_head_dim + 2 * H  # o, and its fp32 logsumexp
+    # block input, normed input, q, latents + k/v up-projection, RoPE'd q and k, o, o reshaped for wo, residual
+    attention = 2 * d + 2 * q_lora + q + kv + 2 * q + 2 * sdpa_out + d
+    attention_gemms = q_lora + q + kv + sdpa_out + d  # mm and SDPA outputs
+    if not moe:
+        none = attention + d + 3 * mc.inter_dim  # normed input, w1 and w3 outputs, their product
+        # a dense block compiles around its checkpoint: selective keeps every mm output (w1, w3, w2 too)
+        return {"none": none, "selective": d + attention_gemms + 2 * mc.inter_dim + d, "full": d}, 0.0
+    headroom = EP_HEADROOM if ep > 1 else 1.0
+    # per routed copy: the sorted expert input, gate/up output, SwiGLU product, and the rows combine gathers
+    # (under EP the received copies replace the local ones: backward needs no exchange input)
+    copy = 2 * d + 3 * I
+    token_side = d + 4 * mc.n_routed_experts + 3 * mc.n_shared_experts * I + d  # normed, fp32 scores, shared, out
+    none = attention + token_side + K * copy * headroom
+    # inside a compiled MoE block SAC keeps grouped GEMM, SDPA and all-to-all outputs (parallel._selective_policy)
+    exchange = 2 * d if ep > 1 else 0
+    selective = d + sdpa_out + K * (2 * I + d + exchange) * headroom
+    return {"none": none, "selective": selective, "full": d}, K * copy * (headroom - 1)
+
+
+@dataclass
+class Plan:
+    """Per-GPU memory (GiB, itemised) and time (seconds per optimizer step, itemised) of a config on `gpus` GPUs."""
+
+    gpus: int
+    gpu: str
+    capacity_gib: float
+    memory: dict[str, float]
+    time: dict[str, float]
+    tokens_per_step_per_gpu: int
+    assumptions: list[str]
+
+    @property
+    def memory_gib_per_gpu(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.time.values())
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_step_per_gpu / self.step_s
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_gib_per_gpu <= FIT_FRACTION * self.capacity_gib
+
+    def summary(self) -> str:
+        m = self.memory
+        return (f"plan: {self.memory_gib_per_gpu:.1f} GiB per GPU of {self.capacity_gib:.1f} (params "
+                f"{m['parameters']:.1f}, grads {m['gradients']:.1f}, optimizer {m['optimizer states']:.1f}, "
+                f"activations {m['activations'] + m['ep receive buffers']:.1f}, other "
+                f"{m['fsdp unsharded buffers'] + m['loss (chunked)'] + m['overhead']:.1f}), "
+                f"~{self.tokens_per_s_per_gpu / 1e3:.1f}k tokens/s per GPU on {self.gpus} × {self.gpu}")
+
+    def as_dict(self) -> dict:
+        return {"gpus": self.gpus, "gpu": self.gpu, "capacity_gib": self.capacity_gib,
+                "memory_gib_per_gpu": self.memory_gib_per_gpu, "fits": self.fits,
+                "memory_gib": self.memory, "step_s": self.step_s, "time_s": self.time,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "assumptions": self.assumptions}
+
+
+def _link_gb_s(group: int, gpu: GPU) -> float:
+    """A collective's per-GPU bandwidth: NVLink when the group sits in one node, else InfiniBand (ring-bound)."""
+    return gpu.nvlink_gb_s if group <= gpu.gpus_per_node else INFINIBAND_GB_S
+
+
+def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) -> Plan:
+    """The plan of `cfg` on `gpus` GPUs of kind `gpu` (a GPUS key); `capacity_gib` overrides the kind's memory."""
+    if gpu not in GPUS:
+        raise UserError(f"unknown GPU kind {gpu!r}: choose one of {', '.join(GPUS)}")
+    mc, t, p = cfg.model_config(), cfg.train, cfg.parallel
+    if gpus < 1 or gpus % p.ep:
+        raise UserError(f"parallel.ep={p.ep} must divide the GPU count {gpus}: pass --gpus as a multiple of it")
+    kind, ep = GPUS[gpu], p.ep
+    T = t.micro_batch * t.seq_len  # tokens per micro-batch per GPU
+    micro_batches = max(t.global_batch // (t.micro_batch * gpus), 1)
+    state_bytes = {"fp32": 4, "bf16": 2}[t.optimizer_state_dtype]
+
+    # --- memory: bytes per GPU
+    dense, experts = param_counts(mc)
+    sharded = (dense + experts) / gpus
+    mtp_blocks = [True] * mc.n_mtp_layers
+    kinds = [i >= mc.n_dense_layers for i in range(mc.n_layers)] + mtp_blocks  # True: a MoE block
+    block_params = [_block_params(mc, moe) for moe in kinds]
+    unsharded = [2 * (bd + be / ep) for bd, be in block_params]  # bf16, as all-gathered for compute
+    grads = [4 * (bd + be) / gpus for bd, be in block_params]  # fp32, reduce-scattered
+    saved, ep_parts = zip(*(_saved_per_token(mc, moe, ep) for moe in kinds))
+    acts = [ACTIVATION_FACTOR * 2 * T * s[t.activation_checkpoint] for s in saved]
+    ep_bytes = sum(ACTIVATION_FACTOR * 2 * T * e for e in ep_parts) if t.activation_checkpoint == "none" else 0.0
+    recompute = max(ACTIVATION_FACTOR * 2 * T * s["none"] for s in saved) if t.activation_checkpoint != "none" else 0.0
+    root = _root_params(mc)
+    unsharded_grads = 0.0
+    if p.accumulate_unsharded_grads and micro_batches > 1:
+        unsharded_grads = 4 * (dense + experts / ep)  # every rank holds the whole gradient until the step
+    # the chunked loss: one chunk's bf16 logits and gradient, the fp32 head gradient being accumulated, its bf16
+    # copy and the [T, D] input gradient saved for backward; once per head application (main + MTP depths)
+    loss_transient = LOSS_CHUNK * mc.vocab_size * 2 * 2 + 4 * mc.vocab_size * mc.dim
+    loss_saved = (1 + mc.n_mtp_layers) * (2 * mc.vocab_size * mc.dim + 2 * T * mc.dim)
+
+    static = 4 * sharded + 2 * state_bytes * sharded + 2 * root + unsharded_grads
+    # The peak over the backward pass, block i from the last: earlier blocks' activations are still saved, later
+    # blocks' sharded gradients exist, block i's unsharded gradient (bf16, then fp32 for the reduce-scatter) is
+    # in flight, and its parameters are unsharded (one GPU: all not yet reached, kept since forward; else block i
+    # and the prefetched i−1).
+    peak_extra, peak_parts = 0.0, {}
+    n = len(kinds)
+    for i in reversed(range(n)):
+        held = sum(unsharded[:i + 1]) if gpus == 1 else unsharded[i] + (unsharded[i - 1] if i else 0)
+        grad_flight = 6 * (block_params[i][0] + block_params[i][1] / ep)
+        later_grads = sum(grads[i + 1:]) + 4 * root / gpus
+        a = sum(acts[:i + 1]) + recompute
+        extra = held + grad_flight + later_grads + a + loss_saved
+        if extra > peak_extra:
+            peak_extra = extra
+            peak_parts = {"fsdp": held + grad_flight, "grads": later_grads, "acts": a}
+    forward_end = (sum(unsharded) if gpus == 1 else unsharded[-1]) + sum(acts) + loss_saved + loss_transient
+    optimizer_step = 4 * sharded  # all gradients, the moments already counted in `static`
+    if forward_end > peak_extra and forward_end > optimizer_step:
+        peak_parts = {"fsdp": forward_end - sum(acts) - loss_saved - loss_transient, "grads": 0.0,
+                      "acts": sum(acts), "loss": loss_transient}
+    elif optimizer_step > peak_extra:
+        peak_parts = {"fsdp": 0.0, "grads": optimizer_step, "acts": 0.0}
+    activations = peak_parts["acts"] - (ep_bytes if peak_parts["acts"] else 0.0)
+    memory = {
+        "parameters": 4 * sharded / GIB,
+        "gradients": (peak_parts["grads"] + unsharded_grads) / GIB,
+        "optimizer states": 2 * state_bytes * sharded / GIB,
+        "fsdp unsharded buffers": (2 * root + peak_parts["fsdp"]) / GIB,
+        "ep receive buffers": (ep_bytes if peak_parts["acts"] else 0.0) / GIB,
+        "activations": activations / GIB,
+        "loss (chunked)": (loss_saved + peak_parts.get("loss", 0.0)) / GIB,
+        "overhead": OVERHEAD_GIB,
+    }
+
+    # --- time: seconds per optimizer step
+    n_moe = sum(kinds)
+    expert_matmul = n_moe * mc.n_activated_experts * 3 * mc.dim * mc.moe_inter_dim
+    dense_matmul = active_matmul_params(mc) - expert_matmul
+    attention = 3 * len(kinds) * mc.n_heads * (mc.qk_head_dim + mc.v_head_dim) * t.seq_len
+    activation_bytes = T * 2 * (sum(s["none"] for s in saved) + (1 + mc.n_mtp_layers) * mc.vocab_size)
+    other_bytes = activation_bytes + 14 * (dense + experts / ep)
+    dense_s = 6 * dense_matmul * T / (kind.dense_tflops * 1e12)
+    expert_s = 6 * expert_matmul * T / (kind.grouped_tflops * 1e12)
+    attention_s = attention * T / (kind.attention_tflops * 1e12)
+    other_s = other_bytes / (OTHER_HBM_EFFICIENCY * kind.hbm_tb_s * 1e12)
+    # recompute: a forward (a third of forward + backward) of what the mode drops; no parameter casts again
+    recomputed_other_s = other_s * activation_bytes / other_bytes
+    head = (1 + mc.n_mtp_layers) * mc.dim * mc.vocab_size
+    blocks_dense_s = dense_s * (dense_matmul - head) / dense_matmul
+    recompute_s = {"none": 0.0,
+                   "selective": (blocks_dense_s * n_moe / len(kinds) + recomputed_other_s) / 3,
+                   "full": (blocks_dense_s + expert_s + attention_s + recomputed_other_s) / 3}[t.activation_checkpoint]
+    compute_s = dense_s + expert_s + attention_s + other_s + recompute_s
+    # AdamW reads parameter, gradient and moments and writes parameter and moments
+    optimizer_s = sharded * (3 * 4 + 4 * state_bytes) / (OPTIMIZER_HBM_EFFICIENCY * kind.hbm_tb_s * 1e12)
+    # FSDP: bf16 all-gather before forward and again before backward, fp32 reduce-scatter after backward (every
+    # micro-batch, or once per step with accumulate_unsharded_grads); ring volume (n−1)/n per GPU
+    efsdp = gpus // ep
+    dense_group = dense - root  # the root's all-gather happens once per step, counted below
+    gather_bytes = 2 * 2 * (dense_group * (gpus - 1) / gpus + experts / ep * (efsdp - 1) / efsdp)
+    reduce_bytes = 4 * (dense * (gpus - 1) / gpus + experts / ep * (efsdp - 1) / efsdp)
+    reduces = 1 if p.accumulate_unsharded_grads else micro_batches
+    fsdp_s = (micro_batches * gather_bytes + reduces * reduce_bytes + 2 * root * (gpus - 1) / gpus) / (
+        _link_gb_s(gpus, kind) * 1e9)
+    # EP: dispatch and combine, forward and backward (full AC exchanges again in its recompute); copies to ranks
+    # in the node go over NVLink, the rest over InfiniBand
+    exchanges = 6 if t.activation_checkpoint == "full" else 4
+    copy_bytes = T * mc.n_activated_experts * mc.dim * 2
+    in_node = min(ep, kind.gpus_per_node)
+    per_byte = ((in_node - 1) / ep / kind.nvlink_gb_s + (ep - in_node) / ep / INFINIBAND_GB_S) / 1e9
+    ep_s = n_moe * exchanges * copy_bytes * per_byte / ALL_TO_ALL_EFFICIENCY if ep > 1 else 0.0
+    time = {
+        "dense GEMMs": micro_batches * dense_s,
+        "expert GEMMs": micro_batches * expert_s,
+        "attention": micro_batches * attention_s,
+        "elementwise, routing, loss": micro_batches * other_s,
+        "AC recompute": micro_batches * recompute_s,
+        "optimizer": optimizer_s,
+        # FSDP prefetches on its own stream: only what the compute cannot hide is exposed
+        "FSDP exposed": max(0.0, fsdp_s - micro_batches * compute_s),
+        "EP all-to-all": micro_batches * ep_s,
+    }
+    assumptions = [
+        f"{gpu}: {kind.dense_tflops:.0f} / {kind.grouped_tflops:.0f} / {kind.attention_tflops:.0f} TFLOP/s "
+        f"dense / grouped GEMM / attention, HBM {kind.hbm_tb_s} TB/s, {capacity_gib or kind.memory_gib:.1f} GiB",
+        f"links: NVLink {kind.nvlink_gb_s:.0f} GB/s within {kind.gpus_per_node} GPUs, InfiniBand "
+        f"{INFINIBAND_GB_S:.0f} GB/s per GPU across nodes; all-to-all at {ALL_TO_ALL_EFFICIENCY:.0%} of them",
+        "FSDP collectives overlap compute (prefetch); EP's all-to-all does not (it waits for its split sizes)",
+        f"EP receive buffers: a balanced router's T·K copies × {EP_HEADROOM} headroom",
+    ]
+    return Plan(gpus, gpu, capacity_gib or kind.memory_gib, memory, time, micro_batches * T, assumptions)
+
+
+def gpu_kind(device_name: str) -> str:
+    """The GPUS key for torch.cuda.get_device_name(); an unlisted GPU is planned with H100 rates."""
+    name = device_name.lower()
+    return next((kind for kind in ("b200", "h200", "h100") if kind in name), "h100")
+
+
+def _fixes(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None) -> list[tuple[str, Plan]]:
+    """Single changes that make the plan fit, cheapest first: AC mode, then ep, then a smaller micro-batch."""
+    t, p = cfg.train, cfg.parallel
+    n_experts = cfg.model_config().n_routed_experts
+    candidates = [("train", "activation_checkpoint", mode) for mode in ("selective", "full")
+                  if ("none", "selective", "full").index(mode) > ("none", "selective", "full").index(
+                      t.activation_checkpoint)]
+    candidates += [("parallel", "ep", ep) for ep in range(p.ep + 1, gpus + 1)
+                   if gpus % ep == 0 and n_experts % ep == 0]
+    candidates += [("train", "micro_batch", mb) for mb in range(t.micro_batch - 1, 0, -1) if t.global_batch % mb == 0]
+    fixes = []
+    for section, key, value in candidates:
+        changed = copy.deepcopy(cfg)
+        setattr(getattr(changed, section), key, value)
+        candidate = plan(changed, gpus, gpu, capacity_gib)
+        if candidate.fits:
+            fixes.append((f"--{section}.{key}={value}", candidate))
+    return fixes
+
+
+def check_fits(cfg: Config, gpus: int, device_name: str, total_memory_bytes: int) -> Plan:
+    """The plan of `cfg` on this GPU; a UserError naming a fix (AC mode, ep, micro-batch) when it cannot fit."""
+    kind, capacity_gib = gpu_kind(device_name), total_memory_bytes / GIB
+    planned = plan(cfg, gpus, kind, capacity_gib)
+    if planned.fits:
+        return planned
+    fixes = _fixes(cfg, gpus, kind, capacity_gib)
+    advice = ("; or ".join(f"{flag} (plan: {fix.memory_gib_per_gpu:.1f} GiB)" for flag, fix in fixes[:3])
+              if fixes else "no single change of AC mode, ep or micro-batch fits: use more GPUs")
+    raise UserError(f"this config cannot fit the GPU: the plan needs {planned.memory_gib_per_gpu:.1f} GiB per GPU "
+                    f"of {capacity_gib:.1f} ({FIT_FRACTION:.0%} usable): set {advice}")
