@@ -181,9 +181,12 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
     mc, t, p = cfg.model_config(), cfg.train, cfg.parallel
     if gpus < 1 or gpus % p.ep:
         raise UserError(f"parallel.ep={p.ep} must divide the GPU count {gpus}: pass --gpus as a multiple of it")
+    if t.global_batch % (t.micro_batch * gpus):
+        raise UserError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch × GPUs "
+                        f"({t.micro_batch} × {gpus})")
     kind, ep = GPUS[gpu], p.ep
     T = t.micro_batch * t.seq_len  # tokens per micro-batch per GPU
-    micro_batches = max(t.global_batch // (t.micro_batch * gpus), 1)
+    micro_batches = t.global_batch // (t.micro_batch * gpus)
     state_bytes = {"fp32": 4, "bf16": 2}[t.optimizer_state_dtype]
 
     # --- memory: bytes per GPU
@@ -316,7 +319,7 @@ def _fixes(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None) -> list
                       t.activation_checkpoint)]
     candidates += [("parallel", "ep", ep) for ep in range(p.ep + 1, gpus + 1)
                    if gpus % ep == 0 and n_experts % ep == 0]
-    candidates += [("train", "micro_batch", mb) for mb in range(t.micro_batch - 1, 0, -1) if t.global_batch % mb == 0]
+    candidates += [("train", "micro_batch", mb) for mb in range(t.micro_batch - 1, 0, -1) if t.global_batch % (mb * gpus) == 0]
     fixes = []
     for section, key, value in candidates:
         changed = copy.deepcopy(cfg)

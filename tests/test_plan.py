@@ -1,0 +1,119 @@
+import dataclasses
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from dsv3.config import FLAVORS, UserError, load_config, run_main
+from dsv3.model import Transformer
+from dsv3.plan import GIB, check_fits, param_counts, plan
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import plan as plan_cli  # noqa: E402  (scripts/plan.py)
+
+CUT_16B = "configs/16b_4layer.toml"
+CUT_671B = ["--flavor=671B", "--model.n_layers=3", "--model.n_dense_layers=1", "--model.n_routed_experts=32",
+            "--model.n_mtp_layers=0", "--train.micro_batch=2", "--train.global_batch=2", "--train.seq_len=4096"]
+
+
+@pytest.mark.parametrize("mc", [FLAVORS["debug"], dataclasses.replace(FLAVORS["16B"], n_layers=4)],
+                         ids=["debug", "16B-cut"])
+def test_parameter_counts_match_a_built_model(mc):
+    with torch.device("meta"):
+        model = Transformer(mc)
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    dense = sum(p.numel() for name, p in model.named_parameters() if ".experts." not in name)
+    assert param_counts(mc) == (dense, experts)
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_parameter_and_optimizer_bytes_match_adamw_on_the_debug_model(gpus):
+    cfg = load_config("configs/debug.toml", [f"--parallel.ep={gpus}", "--train.global_batch=16"])
+    model = Transformer(cfg.model_config())
+    optimizer = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    state_bytes = sum(s.numel() * s.element_size() for state in optimizer.state.values()
+                      for name, s in state.items() if name in ("exp_avg", "exp_avg_sq"))
+    fp32 = plan(cfg, gpus, "h100")
+    assert fp32.memory["parameters"] * GIB * gpus == pytest.approx(param_bytes, rel=1e-12)
+    assert fp32.memory["optimizer states"] * GIB * gpus == pytest.approx(state_bytes, rel=1e-12)
+    cfg.train.optimizer_state_dtype = "bf16"
+    assert plan(cfg, gpus, "h100").memory["optimizer states"] * GIB * gpus == pytest.approx(state_bytes / 2, rel=1e-12)
+
+
+# Our measurements (fp32 AdamW moments; peak = torch.cuda.max_memory_allocated): the calibration's specification.
+MEASURED = [  # (config, overrides, GPUs, kind, GiB per GPU, tokens/s per GPU or None)
+    (CUT_16B, [], 1, "h100", 43.1, 95.3e3),
+    (CUT_16B, ["--train.activation_checkpoint=selective"], 1, "h100", 39.5, None),
+    (CUT_16B, ["--train.activation_checkpoint=full"], 1, "h100", 38.5, None),
+    (None, CUT_671B, 1, "h200", 100.4, 22.5e3),
+    (CUT_16B, ["--parallel.ep=2", "--train.global_batch=8"], 2, "h200", 26.2, 104.7e3),
+]
+
+
+@pytest.mark.parametrize("path, overrides, gpus, kind, memory_gib, tokens_per_s", MEASURED,
+                         ids=["16B-cut-h100", "16B-cut-selective", "16B-cut-full", "671B-cut-h200", "16B-cut-ep2"])
+def test_plan_matches_measurement(path, overrides, gpus, kind, memory_gib, tokens_per_s):
+    planned = plan(load_config(path, overrides), gpus, kind)
+    assert planned.memory_gib_per_gpu == pytest.approx(memory_gib, rel=0.10)
+    if tokens_per_s is not None:
+        assert planned.tokens_per_s_per_gpu == pytest.approx(tokens_per_s, rel=0.20)
+
+
+def test_more_activation_checkpointing_means_less_activation_memory():
+    activations = [plan(load_config("configs/16b.toml", [f"--train.activation_checkpoint={mode}"]), 8, "h100")
+                   .memory["activations"] for mode in ("none", "selective", "full")]
+    assert activations[0] > activations[1] > activations[2]
+
+
+def test_more_expert_parallelism_means_fewer_unsharded_expert_bytes_per_gpu():
+    buffers = [plan(load_config("configs/16b.toml", [f"--parallel.ep={ep}"]), 8, "h100")
+               .memory["fsdp unsharded buffers"] for ep in (1, 2, 8)]
+    assert buffers[0] > buffers[1] > buffers[2]
+
+
+def test_accumulating_unsharded_grads_holds_every_gradient_unsharded():
+    cfg = load_config("configs/16b.toml", ["--train.global_batch=64"])  # 2 micro-batches per rank on 8 GPUs
+    sharded = plan(cfg, 8, "h100")
+    cfg.parallel.accumulate_unsharded_grads = True
+    unsharded = plan(cfg, 8, "h100")
+    dense, experts = param_counts(cfg.model_config())
+    extra = unsharded.memory["gradients"] - sharded.memory["gradients"]
+    assert extra == pytest.approx(4 * (dense + experts) / GIB, rel=1e-9)  # ep = 1: every rank holds all experts
+
+
+def test_a_config_that_cannot_fit_is_refused_with_the_fix():
+    cfg = load_config(CUT_16B, [])
+    with pytest.raises(UserError, match="cannot fit.*--train.activation_checkpoint=selective"):
+        check_fits(cfg, 1, "NVIDIA H100 80GB HBM3", int(45 * GIB))  # selective: 42 GiB
+    with pytest.raises(UserError, match="use more GPUs"):
+        check_fits(cfg, 1, "NVIDIA H100 80GB HBM3", int(20 * GIB))
+
+
+def test_a_config_that_fits_gives_the_memory_line():
+    planned = check_fits(load_config(CUT_16B, []), 1, "NVIDIA H100 80GB HBM3", int(79.1 * GIB))
+    assert planned.summary().startswith(f"plan: {planned.memory_gib_per_gpu:.1f} GiB per GPU of 79.1 (params")
+
+
+def test_the_shipped_671b_config_fits_its_stated_cluster():
+    cfg = load_config("configs/671b.toml", [])
+    assert plan(cfg, cfg.parallel.gpus, "h100").fits
+
+
+def test_cli_json_has_memory_and_tokens_per_s(capsys):
+    plan_cli.main(["--config", CUT_16B, "--gpus", "1", "--gpu", "h200", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["memory_gib_per_gpu"] > 0 and out["tokens_per_s_per_gpu"] > 0
+    assert out["gpus"] == 1 and out["gpu"] == "h200"
+
+
+def test_cli_rejects_an_unknown_gpu_kind_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run_main(lambda: plan_cli.main(["--config", CUT_16B, "--gpu", "a100"]))
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: unknown GPU kind 'a100': choose one of h100, h200, b200"
