@@ -46,12 +46,13 @@ GPUS: dict[str, GPU] = {
                 attention_tflops=375 * _B200_SCALE, hbm_tb_s=8.0, nvlink_gb_s=900),
 }
 INFINIBAND_GB_S = 40.0  # 400 Gb/s per GPU, ~40 GB/s achievable
-# Calibrated against our measurements (one factor per term family; the tests pin them):
+# Calibrated against our five measured peaks (tests/test_plan.py pins them), one factor per term family:
 # the saved-tensor count below is what eager autograd keeps; torch.compile keeps fewer (it recomputes cheap
 # elementwise ops) while the caching allocator rounds and fragments: one factor absorbs both.
 ACTIVATION_FACTOR = 0.75
-# allocator and compile workspaces, cuBLAS/cuDNN workspaces: seen as a constant in every measurement
-OVERHEAD_GIB = 1.5
+# cuBLAS/cuDNN and compiled-kernel workspaces. The CUDA context is not in max_memory_allocated, nor in this plan:
+# FIT_FRACTION leaves room for it and for the allocator's reserved-but-free blocks.
+OVERHEAD_GIB = 0.5
 # fused AdamW streams each state once: achieved fraction of HBM bandwidth (34 ms on H100, 66 ms on H200)
 OPTIMIZER_HBM_EFFICIENCY = 0.53
 # elementwise ops, norms, copies, routing, permutation and the loss's softmax: the bytes of the activations the
@@ -99,31 +100,30 @@ def param_counts(mc: ModelConfig) -> tuple[int, int]:
     return _root_params(mc) + mc.n_dense_layers * dense_block + n_moe * moe_dense, n_moe * experts
 
 
-def _saved_per_token(mc: ModelConfig, moe: bool, ep: int) -> tuple[dict[str, float], float]:
-    """bf16 elements one block saves for backward per token, by AC mode (fp32 tensors count twice), and the part
-    of them that is EP's: the received copies' headroom over a balanced router's T·K."""
+def _saved_per_token(mc: ModelConfig, moe: bool, ep: int) -> dict[str, float]:
+    """bf16 elements one block saves for backward per token, by AC mode (fp32 tensors count twice)."""
     d, H, K, I = mc.dim, mc.n_heads, mc.n_activated_experts, mc.moe_inter_dim
     q = H * mc.qk_head_dim
-    q_lora = mc.q_lora_rank  # wq_a's output (its norm's output is counted in the factor)
     kv = (mc.kv_lora_rank + mc.qk_rope_head_dim) + mc.kv_lora_rank + H * (mc.qk_nope_head_dim + mc.v_head_dim)
     sdpa_out = H * mc.v_head_dim + 2 * H  # o, and its fp32 logsumexp
-    # block input, normed input, q, latents + k/v up-projection, RoPE'd q and k, o, o reshaped for wo, residual
-    attention = 2 * d + 2 * q_lora + q + kv + 2 * q + 2 * sdpa_out + d
-    attention_gemms = q_lora + q + kv + sdpa_out + d  # mm and SDPA outputs
+    # block input, normed input, wq_a output and its norm, q, latents + k/v up-projection, RoPE'd q and k, o,
+    # o reshaped for wo, residual
+    attention = 2 * d + 2 * mc.q_lora_rank + q + kv + 2 * q + 2 * sdpa_out + d
+    attention_gemms = mc.q_lora_rank + q + kv + sdpa_out + d  # mm and SDPA outputs
     if not moe:
         none = attention + d + 3 * mc.inter_dim  # normed input, w1 and w3 outputs, their product
         # a dense block compiles around its checkpoint: selective keeps every mm output (w1, w3, w2 too)
-        return {"none": none, "selective": d + attention_gemms + 2 * mc.inter_dim + d, "full": d}, 0.0
-    headroom = EP_HEADROOM if ep > 1 else 1.0
+        return {"none": none, "selective": d + attention_gemms + 2 * mc.inter_dim + d, "full": d}
+    # routed copies per rank vary around a balanced router's T·K under EP: headroom
+    copies = K * (EP_HEADROOM if ep > 1 else 1.0)
     # per routed copy: the sorted expert input, gate/up output, SwiGLU product, and the rows combine gathers
     # (under EP the received copies replace the local ones: backward needs no exchange input)
     copy = 2 * d + 3 * I
     token_side = d + 4 * mc.n_routed_experts + 3 * mc.n_shared_experts * I + d  # normed, fp32 scores, shared, out
-    none = attention + token_side + K * copy * headroom
     # inside a compiled MoE block SAC keeps grouped GEMM, SDPA and all-to-all outputs (parallel._selective_policy)
     exchange = 2 * d if ep > 1 else 0
-    selective = d + sdpa_out + K * (2 * I + d + exchange) * headroom
-    return {"none": none, "selective": selective, "full": d}, K * copy * (headroom - 1)
+    return {"none": attention + token_side + copies * copy,
+            "selective": d + sdpa_out + copies * (2 * I + d + exchange), "full": d}
 
 
 @dataclass
@@ -192,64 +192,62 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
     # --- memory: bytes per GPU
     dense, experts = param_counts(mc)
     sharded = (dense + experts) / gpus
-    mtp_blocks = [True] * mc.n_mtp_layers
-    kinds = [i >= mc.n_dense_layers for i in range(mc.n_layers)] + mtp_blocks  # True: a MoE block
-    block_params = [_block_params(mc, moe) for moe in kinds]
+    is_moe = [i >= mc.n_dense_layers for i in range(mc.n_layers)] + [True] * mc.n_mtp_layers  # per block
+    block_params = [_block_params(mc, moe) for moe in is_moe]
     unsharded = [2 * (bd + be / ep) for bd, be in block_params]  # bf16, as all-gathered for compute
     grads = [4 * (bd + be) / gpus for bd, be in block_params]  # fp32, reduce-scattered
-    saved, ep_parts = zip(*(_saved_per_token(mc, moe, ep) for moe in kinds))
-    acts = [ACTIVATION_FACTOR * 2 * T * s[t.activation_checkpoint] for s in saved]
-    ep_bytes = sum(ACTIVATION_FACTOR * 2 * T * e for e in ep_parts) if t.activation_checkpoint == "none" else 0.0
-    recompute = max(ACTIVATION_FACTOR * 2 * T * s["none"] for s in saved) if t.activation_checkpoint != "none" else 0.0
+    saved = [_saved_per_token(mc, moe, ep) for moe in is_moe]
+    saved_local = [_saved_per_token(mc, moe, 1) for moe in is_moe]  # the same tokens without EP
+    mode = t.activation_checkpoint
+    acts = [ACTIVATION_FACTOR * 2 * T * s[mode] for s in saved]
+    ep_buffers = [ACTIVATION_FACTOR * 2 * T * (s[mode] - s1[mode]) for s, s1 in zip(saved, saved_local)]
+    # AC recomputes one block at a time in backward, holding all it would have saved
+    recompute = 0.0 if mode == "none" else max(ACTIVATION_FACTOR * 2 * T * s["none"] for s in saved)
     root = _root_params(mc)
     unsharded_grads = 0.0
     if p.accumulate_unsharded_grads and micro_batches > 1:
         unsharded_grads = 4 * (dense + experts / ep)  # every rank holds the whole gradient until the step
-    # the chunked loss: one chunk's bf16 logits and gradient, the fp32 head gradient being accumulated, its bf16
-    # copy and the [T, D] input gradient saved for backward; once per head application (main + MTP depths)
+    # the chunked loss: in forward one chunk's bf16 logits and gradient and the fp32 head gradient being
+    # accumulated; to backward, the bf16 head and [T, D] input gradients, once per head application (main + MTP)
     loss_transient = LOSS_CHUNK * mc.vocab_size * 2 * 2 + 4 * mc.vocab_size * mc.dim
     loss_saved = (1 + mc.n_mtp_layers) * (2 * mc.vocab_size * mc.dim + 2 * T * mc.dim)
 
-    static = 4 * sharded + 2 * state_bytes * sharded + 2 * root + unsharded_grads
-    # The peak over the backward pass, block i from the last: earlier blocks' activations are still saved, later
-    # blocks' sharded gradients exist, block i's unsharded gradient (bf16, then fp32 for the reduce-scatter) is
-    # in flight, and its parameters are unsharded (one GPU: all not yet reached, kept since forward; else block i
-    # and the prefetched i−1).
-    peak_extra, peak_parts = 0.0, {}
-    n = len(kinds)
+    # The peak is the largest of: the end of forward; block i's backward, from the last (earlier blocks'
+    # activations still saved, later blocks' sharded gradients there, block i's unsharded gradient in flight in
+    # bf16 and in fp32 for the reduce-scatter, unsharded parameters: on one GPU all blocks not yet reached, kept
+    # since forward, else block i and the prefetched i−1); the optimizer step (every gradient).
+    def held(i: int) -> float:
+        return sum(unsharded[:i + 1]) if gpus == 1 else unsharded[i] + (unsharded[i - 1] if i else 0.0)
+
+    n = len(is_moe)
+    phases = [{"gradients": 0.0, "fsdp unsharded buffers": held(n - 1), "ep receive buffers": sum(ep_buffers),
+               "activations": sum(acts) - sum(ep_buffers), "loss (chunked)": loss_saved + loss_transient}]
     for i in reversed(range(n)):
-        held = sum(unsharded[:i + 1]) if gpus == 1 else unsharded[i] + (unsharded[i - 1] if i else 0)
-        grad_flight = 6 * (block_params[i][0] + block_params[i][1] / ep)
-        later_grads = sum(grads[i + 1:]) + 4 * root / gpus
-        a = sum(acts[:i + 1]) + recompute
-        extra = held + grad_flight + later_grads + a + loss_saved
-        if extra > peak_extra:
-            peak_extra = extra
-            peak_parts = {"fsdp": held + grad_flight, "grads": later_grads, "acts": a}
-    forward_end = (sum(unsharded) if gpus == 1 else unsharded[-1]) + sum(acts) + loss_saved + loss_transient
-    optimizer_step = 4 * sharded  # all gradients, the moments already counted in `static`
-    if forward_end > peak_extra and forward_end > optimizer_step:
-        peak_parts = {"fsdp": forward_end - sum(acts) - loss_saved - loss_transient, "grads": 0.0,
-                      "acts": sum(acts), "loss": loss_transient}
-    elif optimizer_step > peak_extra:
-        peak_parts = {"fsdp": 0.0, "grads": optimizer_step, "acts": 0.0}
-    activations = peak_parts["acts"] - (ep_bytes if peak_parts["acts"] else 0.0)
+        in_flight = 6 * (block_params[i][0] + block_params[i][1] / ep)
+        phases.append({"gradients": sum(grads[i + 1:]) + 4 * root / gpus,
+                       "fsdp unsharded buffers": held(i) + in_flight, "ep receive buffers": sum(ep_buffers[:i + 1]),
+                       "activations": sum(acts[:i + 1]) - sum(ep_buffers[:i + 1]) + recompute,
+                       "loss (chunked)": loss_saved})
+    phases.append({"gradients": 4 * sharded, "fsdp unsharded buffers": 0.0, "ep receive buffers": 0.0,
+                   "activations": 0.0, "loss (chunked)": 0.0})
+    peak = max(phases, key=lambda parts: sum(parts.values()))
     memory = {
         "parameters": 4 * sharded / GIB,
-        "gradients": (peak_parts["grads"] + unsharded_grads) / GIB,
+        "gradients": (peak["gradients"] + unsharded_grads) / GIB,
         "optimizer states": 2 * state_bytes * sharded / GIB,
-        "fsdp unsharded buffers": (2 * root + peak_parts["fsdp"]) / GIB,
-        "ep receive buffers": (ep_bytes if peak_parts["acts"] else 0.0) / GIB,
-        "activations": activations / GIB,
-        "loss (chunked)": (loss_saved + peak_parts.get("loss", 0.0)) / GIB,
+        # the root (embedding, head) stays unsharded from forward to the end of backward
+        "fsdp unsharded buffers": (2 * root + peak["fsdp unsharded buffers"]) / GIB,
+        "ep receive buffers": peak["ep receive buffers"] / GIB,
+        "activations": peak["activations"] / GIB,
+        "loss (chunked)": peak["loss (chunked)"] / GIB,
         "overhead": OVERHEAD_GIB,
     }
 
     # --- time: seconds per optimizer step
-    n_moe = sum(kinds)
+    n_moe = sum(is_moe)
     expert_matmul = n_moe * mc.n_activated_experts * 3 * mc.dim * mc.moe_inter_dim
     dense_matmul = active_matmul_params(mc) - expert_matmul
-    attention = 3 * len(kinds) * mc.n_heads * (mc.qk_head_dim + mc.v_head_dim) * t.seq_len
+    attention = 3 * len(is_moe) * mc.n_heads * (mc.qk_head_dim + mc.v_head_dim) * t.seq_len
     activation_bytes = T * 2 * (sum(s["none"] for s in saved) + (1 + mc.n_mtp_layers) * mc.vocab_size)
     other_bytes = activation_bytes + 14 * (dense + experts / ep)
     dense_s = 6 * dense_matmul * T / (kind.dense_tflops * 1e12)
@@ -261,7 +259,7 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
     head = (1 + mc.n_mtp_layers) * mc.dim * mc.vocab_size
     blocks_dense_s = dense_s * (dense_matmul - head) / dense_matmul
     recompute_s = {"none": 0.0,
-                   "selective": (blocks_dense_s * n_moe / len(kinds) + recomputed_other_s) / 3,
+                   "selective": (blocks_dense_s * n_moe / len(is_moe) + recomputed_other_s) / 3,
                    "full": (blocks_dense_s + expert_s + attention_s + recomputed_other_s) / 3}[t.activation_checkpoint]
     compute_s = dense_s + expert_s + attention_s + other_s + recompute_s
     # AdamW reads parameter, gradient and moments and writes parameter and moments
@@ -314,12 +312,13 @@ def _fixes(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None) -> list
     """Single changes that make the plan fit, cheapest first: AC mode, then ep, then a smaller micro-batch."""
     t, p = cfg.train, cfg.parallel
     n_experts = cfg.model_config().n_routed_experts
-    candidates = [("train", "activation_checkpoint", mode) for mode in ("selective", "full")
-                  if ("none", "selective", "full").index(mode) > ("none", "selective", "full").index(
-                      t.activation_checkpoint)]
+    modes = ("none", "selective", "full")
+    candidates = [("train", "activation_checkpoint", mode)
+                  for mode in modes[modes.index(t.activation_checkpoint) + 1:]]
     candidates += [("parallel", "ep", ep) for ep in range(p.ep + 1, gpus + 1)
                    if gpus % ep == 0 and n_experts % ep == 0]
-    candidates += [("train", "micro_batch", mb) for mb in range(t.micro_batch - 1, 0, -1) if t.global_batch % (mb * gpus) == 0]
+    candidates += [("train", "micro_batch", mb) for mb in range(t.micro_batch - 1, 0, -1)
+                   if t.global_batch % (mb * gpus) == 0]
     fixes = []
     for section, key, value in candidates:
         changed = copy.deepcopy(cfg)
