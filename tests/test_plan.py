@@ -90,7 +90,7 @@ def test_accumulating_unsharded_grads_holds_every_gradient_unsharded():
 def test_a_config_that_cannot_fit_is_refused_with_the_fix():
     cfg = load_config(CUT_16B, [])
     with pytest.raises(UserError, match="cannot fit.*--train.activation_checkpoint=selective"):
-        check_fits(cfg, 1, "NVIDIA H100 80GB HBM3", int(45 * GIB))  # selective: 42 GiB
+        check_fits(cfg, 1, "NVIDIA H100 80GB HBM3", int(44 * GIB))  # none: 42.6 GiB, selective: 41.0
     with pytest.raises(UserError, match="use more GPUs"):
         check_fits(cfg, 1, "NVIDIA H100 80GB HBM3", int(20 * GIB))
 
