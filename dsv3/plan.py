@@ -35,7 +35,8 @@ class GPU:
 
 # H100 rates: measured in our 16B-cut profile (one H100, 4 × 4096). H200: the same chips, measured in the
 # 671B-width-cut profile (one H200, 2 × 4096). B200: no measurement: the datasheet's 2.25 PFLOP/s dense bf16
-# scaled by the efficiency measured on Hopper (÷ 989 TFLOP/s), HBM 8 TB/s, NVLink 5.
+# scaled by the efficiency measured on Hopper (÷ 989 TFLOP/s), HBM 8 TB/s, NVLink 5, and of its 180 GB an
+# assumed 178 GiB visible to torch. Memory: what torch reports as total (80 GB H100: 79.1 GiB; H200: 139).
 _B200_SCALE = 2250 / 989
 GPUS: dict[str, GPU] = {
     "h100": GPU(memory_gib=79.1, dense_tflops=750, grouped_tflops=650, attention_tflops=346, hbm_tb_s=3.35,

@@ -35,7 +35,7 @@ def format_plan(p: Plan) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a TOML config (default: the built-in defaults)")
     parser.add_argument("--gpus", type=int, help="GPU count (default: parallel.gpus, else parallel.ep)")
     parser.add_argument("--gpu", default="h100", help=f"GPU kind: {' | '.join(GPUS)} (default h100)")
