@@ -160,7 +160,7 @@ class Plan:
         return (f"plan: {self.memory_gib_per_gpu:.1f} GiB per GPU of {self.capacity_gib:.1f} (params "
                 f"{m['parameters']:.1f}, grads {m['gradients']:.1f}, optimizer {m['optimizer states']:.1f}, "
                 f"activations {m['activations'] + m['ep receive buffers']:.1f}, other "
-                f"{m['fsdp unsharded buffers'] + m['loss (chunked)'] + m['overhead']:.1f}), "
+                f"{m['fsdp unsharded buffers'] + m['loss (chunked)'] + m['mtp'] + m['overhead']:.1f}), "
                 f"~{self.tokens_per_s_per_gpu / 1e3:.1f}k tokens/s per GPU on {self.gpus} × {self.gpu}")
 
     def as_dict(self) -> dict:
@@ -209,9 +209,9 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
     if p.accumulate_unsharded_grads and micro_batches > 1:
         unsharded_grads = 4 * (dense + experts / ep)  # every rank holds the whole gradient until the step
     # the chunked loss: in forward one chunk's bf16 logits and gradient and the fp32 head gradient being
-    # accumulated; to backward, the bf16 head and [T, D] input gradients, once per head application (main + MTP)
+    # accumulated; to backward, the bf16 head and [T, D] input gradients (each MTP depth holds its own: mtp line)
     loss_transient = LOSS_CHUNK * mc.vocab_size * 2 * 2 + 4 * mc.vocab_size * mc.dim
-    loss_saved = (1 + mc.n_mtp_layers) * (2 * mc.vocab_size * mc.dim + 2 * T * mc.dim)
+    loss_saved = 2 * mc.vocab_size * mc.dim + 2 * T * mc.dim
 
     # The peak is the largest of: the end of forward; block i's backward, from the last (earlier blocks'
     # activations still saved, later blocks' sharded gradients there, block i's unsharded gradient in flight in
@@ -220,17 +220,25 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
     def held(i: int) -> float:
         return sum(unsharded[:i + 1]) if gpus == 1 else unsharded[i] + (unsharded[i - 1] if i else 0.0)
 
+    def saved_through(i: int, loss: float) -> dict[str, float]:
+        """What blocks 0..i hold for backward, the MTP blocks' share (and their own loss's) on its own line."""
+        main, mtp = slice(0, min(i + 1, mc.n_layers)), slice(mc.n_layers, i + 1)
+        return {"ep receive buffers": sum(ep_buffers[:i + 1]),
+                "activations": sum(acts[main]) - sum(ep_buffers[main]),
+                "mtp": sum(acts[mtp]) - sum(ep_buffers[mtp]) + mc.n_mtp_layers * loss_saved,
+                "loss (chunked)": loss}
+
     n = len(is_moe)
-    phases = [{"gradients": 0.0, "fsdp unsharded buffers": held(n - 1), "ep receive buffers": sum(ep_buffers),
-               "activations": sum(acts) - sum(ep_buffers), "loss (chunked)": loss_saved + loss_transient}]
+    phases = [{"gradients": 0.0, "fsdp unsharded buffers": held(n - 1),
+               **saved_through(n - 1, loss_saved + loss_transient)}]
     for i in reversed(range(n)):
         in_flight = 6 * (block_params[i][0] + block_params[i][1] / ep)
-        phases.append({"gradients": sum(grads[i + 1:]) + 4 * root / gpus,
-                       "fsdp unsharded buffers": held(i) + in_flight, "ep receive buffers": sum(ep_buffers[:i + 1]),
-                       "activations": sum(acts[:i + 1]) - sum(ep_buffers[:i + 1]) + recompute,
-                       "loss (chunked)": loss_saved})
+        phase = {"gradients": sum(grads[i + 1:]) + 4 * root / gpus, "fsdp unsharded buffers": held(i) + in_flight,
+                 **saved_through(i, loss_saved)}
+        phase["activations"] += recompute
+        phases.append(phase)
     phases.append({"gradients": 4 * sharded, "fsdp unsharded buffers": 0.0, "ep receive buffers": 0.0,
-                   "activations": 0.0, "loss (chunked)": 0.0})
+                   "activations": 0.0, "mtp": 0.0, "loss (chunked)": 0.0})
     peak = max(phases, key=lambda parts: sum(parts.values()))
     memory = {
         "parameters": 4 * sharded / GIB,
@@ -241,6 +249,7 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
         "ep receive buffers": peak["ep receive buffers"] / GIB,
         "activations": peak["activations"] / GIB,
         "loss (chunked)": peak["loss (chunked)"] / GIB,
+        "mtp": peak["mtp"] / GIB,
         "overhead": OVERHEAD_GIB,
     }
 
@@ -299,6 +308,7 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
         f"{INFINIBAND_GB_S:.0f} GB/s per GPU across nodes; all-to-all at {ALL_TO_ALL_EFFICIENCY:.0%} of them",
         "FSDP collectives overlap compute (prefetch); EP's all-to-all does not (it waits for its split sizes)",
         f"EP receive buffers: a balanced router's T·K copies × {EP_HEADROOM} headroom",
+        "bf16 GEMMs and the all_to_all dispatcher: fp8/mxfp8 and DeepEP, both faster, are not modelled",
     ]
     return Plan(gpus, gpu, capacity_gib or kind.memory_gib, memory, time, micro_batches * T, assumptions)
 

@@ -87,6 +87,13 @@ def test_accumulating_unsharded_grads_holds_every_gradient_unsharded():
     assert extra == pytest.approx(4 * (dense + experts) / GIB, rel=1e-9)  # ep = 1: every rank holds all experts
 
 
+def test_mtp_memory_is_its_own_line():
+    with_mtp = plan(load_config("configs/debug.toml", []), 1, "h100")
+    without = plan(load_config("configs/debug.toml", ["--model.n_mtp_layers=0"]), 1, "h100")
+    assert with_mtp.memory["mtp"] > 0 and without.memory["mtp"] == 0
+    assert with_mtp.memory_gib_per_gpu > without.memory_gib_per_gpu
+
+
 def test_a_config_that_cannot_fit_is_refused_with_the_fix():
     cfg = load_config(CUT_16B, [])
     selective = plan(load_config(CUT_16B, ["--train.activation_checkpoint=selective"]), 1, "h100")
