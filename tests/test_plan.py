@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+import train
 from dsv3.config import FLAVORS, UserError, load_config, run_main
 from dsv3.model import Transformer
 from dsv3.plan import FIT_FRACTION, GIB, check_fits, param_counts, plan
@@ -126,3 +127,17 @@ def test_cli_rejects_an_unknown_gpu_kind_in_one_line(capsys):
         run_main(lambda: plan_cli.main(["--config", CUT_16B, "--gpu", "a100"]))
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip() == "error: unknown GPU kind 'a100': choose one of h100, h200, b200"
+
+
+def test_train_refuses_a_config_that_cannot_fit_before_building_the_model(monkeypatch):
+    def build_model(*args):
+        raise AssertionError("the model was built for a config that cannot fit")
+
+    monkeypatch.setattr(train.parallel, "init_distributed", lambda device: (0, 1, torch.device("cuda")))
+    monkeypatch.setattr(train, "check_setup", lambda cfg, world, device: None)  # it would look for a real GPU
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: type("Properties", (), {"total_memory": 20 * GIB})())
+    monkeypatch.setattr(train, "build_model", build_model)
+    with pytest.raises(UserError, match="cannot fit the GPU"):
+        train.main(["--config", CUT_16B])
