@@ -59,6 +59,7 @@ OPTIMIZER_HBM_EFFICIENCY = 0.53
 # elementwise ops, norms, copies, routing, permutation and the loss's softmax: the bytes of the activations the
 # blocks write (the no-AC saved set) and of FSDP's per-micro-batch casts of the unsharded parameters and
 # gradients (fp32 → bf16 parameters, bf16 → fp32 gradients: 14 bytes each), at this fraction of HBM bandwidth
+# (fitted to the two one-GPU profiles' other + routing + loss time)
 OTHER_HBM_EFFICIENCY = 0.225
 # our all_to_all reaches this fraction of the link bandwidth (one 16B MoE layer's four exchanges: 6.1 ms on
 # 2 H200s); it blocks on the split sizes, so it is never overlapped with compute
