@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv3 import parallel
@@ -271,15 +272,17 @@ def test_selective_ac_recompute_does_not_exchange_again(tmp_path):
 
 def _unsharded_grads_held(model: Transformer) -> list[str]:
     """FSDP parameters holding a full, unsharded gradient (in FSDP's own buffers, as between micro-batches that do
-    not reduce-scatter) or a gradient that is not a shard of the parameter's own shape."""
+    not reduce-scatter), or no gradient that is a shard of the parameter's own shape."""
     held = []
     for module in model.modules():
         group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
         for fsdp_param in group.fsdp_params if group else []:
+            # bf16 params accumulate in unsharded_accumulated_grad, fp32 ones (as here) on the unsharded param
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            grad = fsdp_param.sharded_param.grad
-            if (fsdp_param.unsharded_accumulated_grad is not None or (unsharded is not None and unsharded.grad is not None)
-                    or (grad is not None and grad.to_local().shape != fsdp_param.sharded_param.to_local().shape)):
+            held_unsharded = fsdp_param.unsharded_accumulated_grad is not None or (unsharded is not None
+                                                                                  and unsharded.grad is not None)
+            grad, shard = fsdp_param.sharded_param.grad, fsdp_param.sharded_param.to_local()
+            if held_unsharded or not isinstance(grad, DTensor) or grad.to_local().shape != shard.shape:
                 held.append(fsdp_param._param_fqn)
     return held
 
