@@ -56,11 +56,12 @@ def shuffled_index(index: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarr
 
     π is a balanced Feistel network over the 2k-bit integers, 2^2k ≥ n (a bijection whatever its round function),
     restricted to [0, n) by cycle-walking: an image ≥ n is encrypted again until it lands in [0, n), which keeps
-    a bijection of [0, n) and takes under 4 rounds of walking on average, as 2^2k < 4n."""
+    a bijection of [0, n) and takes fewer than 4 encryptions per index on average, as 2^2k < 4n."""
     half_bits = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
     mask = np.uint64((1 << half_bits) - 1)
     shift = np.uint64(half_bits)
-    keys = np.random.SeedSequence([seed, epoch]).generate_state(_FEISTEL_ROUNDS, dtype=np.uint64)
+    entropy = [seed % 2**64, epoch]  # SeedSequence takes no negative seed
+    keys = np.random.SeedSequence(entropy).generate_state(_FEISTEL_ROUNDS, dtype=np.uint64)
 
     def encrypt(x: np.ndarray) -> np.ndarray:
         left, right = x >> shift, x & mask
