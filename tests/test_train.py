@@ -40,10 +40,10 @@ def stop_at(monkeypatch: pytest.MonkeyPatch, at_step: int, action) -> None:
     """Run `action(model)` in train_step just before step `at_step`."""
     real_step = train.train_step
 
-    def step_with_action(model, optimizer, batch, t, step):
+    def step_with_action(model, optimizer, batch, t, step, *args):
         if step == at_step:
             action(model)
-        return real_step(model, optimizer, batch, t, step)
+        return real_step(model, optimizer, batch, t, step, *args)
 
     monkeypatch.setattr(train, "train_step", step_with_action)
 
