@@ -52,15 +52,18 @@ def mtp_lambda_at(step: int, t: TrainConfig) -> float:
 
 
 def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torch.Tensor, t: TrainConfig,
-               step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over this rank's `batch` [rows, S+1], in micro-batches.
+               step: int, accumulate_unsharded_grads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over this rank's `batch` [rows, S+1], in micro-batches. FSDP reduce-scatters every
+    micro-batch's gradients into the shards, unless `accumulate_unsharded_grads` (parallel.accumulate_unsharded_grads)
+    has it sum full unsharded gradients until the last one: fewer collectives, but a full fp32 gradient per rank.
     Returns ([main, mtp, balance, grad_norm] as one device tensor, global tokens_per_expert [L, E])."""
     micro_batches = batch.split(t.micro_batch)
     mtp_weight = mtp_lambda_at(step, t) / max(len(model.mtp), 1)
     losses = torch.zeros(3, device=batch.device)
     tokens_per_expert = 0
     for i, micro in enumerate(micro_batches):
-        parallel.set_gradient_sync(model, i == len(micro_batches) - 1)
+        if accumulate_unsharded_grads:
+            parallel.set_gradient_sync(model, i == len(micro_batches) - 1)
         out = model(micro[:, :-1], micro[:, 1:])
         mtp_loss = torch.stack(out.mtp_losses).sum() if out.mtp_losses else torch.zeros_like(out.loss)
         total = out.loss + mtp_weight * mtp_loss + t.balance_alpha * out.balance_loss
@@ -223,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
             group["lr"] = lr
         global_batch = batch_at(step, t, world)
         batch = loader.next_batch(global_batch).to(device, non_blocking=True)
-        values, tokens_per_expert = train_step(model, optimizer, batch, t, step)
+        values, tokens_per_expert = train_step(model, optimizer, batch, t, step,
+                                               cfg.parallel.accumulate_unsharded_grads)
         pending.append((step, values))
         tokens_since += global_batch * t.seq_len
 

@@ -1,6 +1,6 @@
 """Training checkpoints with torch.distributed.checkpoint (sharded, reshardable: save at world 4, resume
-at 2 or 1) and the final safetensors export. A checkpoint is written to `step-N.tmp/` and renamed to
-`step-N/` only when complete, so a crash mid-save never touches the last good one."""
+at 2 or 1) and the final safetensors export, written by every rank. A checkpoint is written to `step-N.tmp/`
+and renamed to `step-N/` only when complete, so a crash mid-save never touches the last good one."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+# what HuggingFaceStorageWriter(enable_consolidation=True) runs, on rank 0 alone; torchtitan imports it the same way
+from torch.distributed.checkpoint._consolidate_hf_safetensors import (consolidate_safetensors_files,
+                                                                       consolidate_safetensors_files_on_every_rank)
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from dsv3.config import ModelConfig
 from dsv3.hf import save_config
@@ -117,21 +118,41 @@ def load_weights(path: str | Path, model: nn.Module) -> None:
     set_model_state_dict(model, state)
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded model state on CPU (gathered on every rank; only rank 0 keeps real tensors)."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
-
-
 def export(out_dir: str | Path, model: nn.Module, cfg: ModelConfig) -> None:
-    """Write `model.safetensors` (dsv3 names) + `config.json` (ModelConfig fields), atomically."""
-    state = full_state_dict(model)
+    """Write the model as HF-style safetensors with dsv3 names and full tensors (`model-0000i-of-0000N.safetensors`,
+    one file per block and one for the rest, + `model.safetensors.index.json`) and `config.json` (ModelConfig
+    fields), atomically: into `out_dir.tmp/`, renamed when complete.
+
+    No process ever holds the whole model (a 671B one is 2.7 TB in fp32): every rank writes its own shards, then
+    every rank assembles its share of the files from them, one tensor at a time."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
     if _rank() == 0:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.contiguous() for k, v in state.items()}
-        save_file(tensors, out_dir / "model.safetensors.tmp")
-        os.replace(out_dir / "model.safetensors.tmp", out_dir / "model.safetensors")
-        save_config(cfg, out_dir / "config.json.tmp")
-        os.replace(out_dir / "config.json.tmp", out_dir / "config.json")
+        shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
+    state = get_model_state_dict(model)
+    file_of = _file_per_block(state)
+    writer = dcp.HuggingFaceStorageWriter(str(tmp / "sharded"), fqn_to_index_mapping=file_of, save_distributed=True)
+    dcp.save(state, storage_writer=writer)
+    if dist.is_initialized():
+        consolidate_safetensors_files_on_every_rank(str(tmp / "sharded"), str(tmp), file_of)
+    else:
+        consolidate_safetensors_files(str(tmp / "sharded"), str(tmp), file_of)
+    _barrier()
+    if _rank() == 0:
+        shutil.rmtree(tmp / "sharded")
+        save_config(cfg, tmp / "config.json")
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+    _barrier()
+
+
+def _file_per_block(state: dict[str, Any]) -> dict[str, int]:
+    """Output file (1..N) of each tensor: one per transformer block and MTP module, one for the embedding, final
+    norm and head. Files are what ranks share out when assembling an export."""
+    def block(name: str) -> tuple[str, int]:
+        parts = name.split(".")
+        return (parts[0], int(parts[1])) if parts[0] in ("layers", "mtp") else ("", 0)
+
+    index = {key: i for i, key in enumerate(sorted({block(name) for name in state}), start=1)}
+    return {name: index[block(name)] for name in state}

@@ -254,7 +254,11 @@ def sequence_balance_loss(scores: torch.Tensor, topk_idx: torch.Tensor, topk: in
 
 @torch.no_grad()
 def update_expert_bias(routers: list[Router], tokens_per_expert: torch.Tensor, speed: float) -> None:
-    """Aux-loss-free balancing (eq. 16 ff.): b_i += γ·sign(mean load − load_i), after the optimizer step.
+    """Aux-loss-free balancing (eq. 16 ff.): b_i += γ·sign(mean load − load_i), after the optimizer step, centred
+    over the layer's experts (as torchtitan does) so that Σ_i b_i stays 0. Uncentred, the biases' mean drifts by
+    γ·(#under − #over)/E per step: no selection changes (top-k of s + b is shift-invariant), but over a long run the
+    biases grow far past the scores s ∈ [0, 1] they are added to, and those fp32 sums lose resolution.
     `tokens_per_expert` [n_routers, E] must already be summed over the global batch (all ranks)."""
     for router, load in zip(routers, tokens_per_expert.float(), strict=True):
-        router.expert_bias += speed * torch.sign(load.mean() - load)
+        step = torch.sign(load.mean() - load)  # [E]
+        router.expert_bias += speed * (step - step.mean())

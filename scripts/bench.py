@@ -71,7 +71,8 @@ def main() -> None:
         for group in optimizer.param_groups:  # train.py's schedule (see the module docstring)
             group["lr"] = train.lr_at(i, t)
         batch = torch.randint(0, mcfg.vocab_size, (local_batch, t.seq_len + 1), generator=generator)
-        values, tokens_per_expert = train.train_step(model, optimizer, batch.to(device, non_blocking=True), t, i)
+        values, tokens_per_expert = train.train_step(model, optimizer, batch.to(device, non_blocking=True), t, i,
+                                                     cfg.parallel.accumulate_unsharded_grads)
         losses.append(values[0])
         loads.append(tokens_per_expert)
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `dsv3`, `train` and `scripts` import from a plain checkout
@@ -46,6 +47,14 @@ def torchrun_env(rank: int, world: int, port: int) -> None:
     """The environment torchrun gives rank `rank` of `world` processes on one host."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+
+
+def load_export(export_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an export (or any safetensors directory), by name, from all its files."""
+    tensors = {}
+    for file in sorted(export_dir.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
 
 
 def read_metrics(run_dir: Path) -> dict[int, dict]:

@@ -2,6 +2,7 @@
 parallelism over 2) resumes at world 2 and world 1 and continues the 4-rank run loss for loss; RNG streams
 come back at the same world size."""
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -12,7 +13,9 @@ import torch.multiprocessing as mp
 
 import train
 from dsv3 import checkpoint
-from conftest import free_port, torchrun_env, read_metrics
+from dsv3.config import ModelConfig, TrainConfig
+from dsv3.model import Transformer
+from conftest import free_port, load_export, torchrun_env, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "stdlib"
@@ -91,3 +94,31 @@ def test_resume_restores_the_rng_stream_at_the_same_world_size(tmp_path, device)
     torch.manual_seed(4)
     checkpoint.load(saved, model, optimizer, {"step": 0})
     assert torch.equal(torch.rand(5, device=device), fresh)  # the fresh stream is kept
+
+
+def test_export_written_by_two_ranks_holds_the_full_model(tmp_path):
+    """Each rank writes its shards and assembles its share of the files: full tensors, one file per block, equal
+    to the last checkpoint; readable by plain safetensors and by checkpoint.load_weights; nothing left behind."""
+    launch(2, [*ARGS, "--parallel.ep=2", "--train.steps=2", "--checkpoint.every=2", "--checkpoint.export=true",
+               f"--checkpoint.dir={tmp_path}"])
+    export = tmp_path / "export"
+    assert not (tmp_path / "export.tmp").exists() and not (export / "sharded").exists()
+    cfg = ModelConfig(**json.loads((export / "config.json").read_text()))
+    files = sorted(p.name for p in export.glob("*.safetensors"))
+    assert files == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]  # rest, 2 layers, MTP
+    weight_map = json.loads((export / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(set(weight_map.values())) == files
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {oct(p.stat().st_mode & 0o777) for p in export.iterdir()} == {oct(0o666 & ~umask)}
+
+    trained = Transformer(cfg)
+    checkpoint.load(tmp_path / "step-2", trained, train.build_optimizer(trained, TrainConfig(), torch.device("cpu")),
+                    {"step": 0})
+    exported = Transformer(cfg)
+    exported.load_state_dict(load_export(export), strict=True)  # full shapes, every name
+    imported = Transformer(cfg)
+    checkpoint.load_weights(export, imported)
+    for name, value in trained.state_dict().items():
+        torch.testing.assert_close(exported.state_dict()[name], value, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(imported.state_dict()[name], value, rtol=0, atol=0, msg=name)

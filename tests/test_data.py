@@ -1,4 +1,5 @@
 import json
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 import scripts.prepare_data as prepare_data
-from dsv3.data import PackedLoader, Tokenizer
+from dsv3.data import PackedLoader, Tokenizer, shuffled_index
 from scripts.prepare_data import prepare
 
 TOKENIZER = str(Path(__file__).resolve().parents[1] / "data" / "tokenizer.model")
@@ -125,6 +126,35 @@ def test_epochs_are_fresh_permutations_of_all_sequences(tmp_path):
     for epoch in epochs:
         assert sorted(map(tuple, epoch.tolist())) == sorted(map(tuple, in_order.tolist()))
     assert not torch.equal(epochs[0], epochs[1])
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1000, 4097])
+def test_shuffled_index_is_a_permutation_for_any_n(n):
+    order = shuffled_index(np.arange(n), n, seed=5, epoch=2)
+    assert order.dtype == np.int64
+    assert sorted(order.tolist()) == list(range(n))
+
+
+def test_shuffled_index_differs_across_epochs_and_seeds_and_is_reproducible():
+    n = 1000
+    order = shuffled_index(np.arange(n), n, seed=0, epoch=0)
+    assert not np.array_equal(order, np.arange(n))
+    assert not np.array_equal(order, shuffled_index(np.arange(n), n, seed=0, epoch=1))
+    assert not np.array_equal(order, shuffled_index(np.arange(n), n, seed=1, epoch=0))
+    np.testing.assert_array_equal(order, shuffled_index(np.arange(n), n, seed=0, epoch=0))
+    # a slice of places gives the same sequences as the whole order does there: ranks need only their own rows
+    np.testing.assert_array_equal(shuffled_index(np.arange(300, 340), n, seed=0, epoch=0), order[300:340])
+
+
+def test_shuffled_index_of_a_huge_corpus_needs_memory_for_the_batch_only():
+    n = 3_600_000_000  # the paper's 14.8T tokens in sequences of 4096
+    tracemalloc.start()
+    batch = shuffled_index(np.arange(10_000, 11_024), n, seed=0, epoch=3)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 2**20  # a permutation of n int64 would take 27 GiB
+    assert len(set(batch.tolist())) == len(batch) and 0 <= batch.min() and batch.max() < n
+    assert batch.max() > n // 2  # spread over the corpus, not clustered near the start
 
 
 def test_rank_slices_concatenate_to_the_single_process_batch(tmp_path):

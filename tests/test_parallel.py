@@ -10,6 +10,8 @@ import torch.multiprocessing as mp
 
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv3 import parallel
@@ -266,3 +268,57 @@ def test_selective_ac_recompute_does_not_exchange_again(tmp_path):
     # per MoE layer: counts, tokens and the combine forward, two reverse exchanges in backward
     assert counts["none"] == 5 * len([b for b in parallel.blocks(Transformer(CFG)) if isinstance(b.ffn, MoE)])
     assert counts["selective"] == counts["none"], counts
+
+
+def _unsharded_grads_held(model: Transformer) -> list[str]:
+    """FSDP parameters holding a full, unsharded gradient (in FSDP's own buffers, as between micro-batches that do
+    not reduce-scatter), or no gradient that is a shard of the parameter's own shape."""
+    held = []
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for fsdp_param in group.fsdp_params if group else []:
+            # bf16 params accumulate in unsharded_accumulated_grad, fp32 ones (as here) on the unsharded param
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            held_unsharded = fsdp_param.unsharded_accumulated_grad is not None or (unsharded is not None
+                                                                                  and unsharded.grad is not None)
+            grad, shard = fsdp_param.sharded_param.grad, fsdp_param.sharded_param.to_local()
+            if held_unsharded or not isinstance(grad, DTensor) or grad.to_local().shape != shard.shape:
+                held.append(fsdp_param._param_fqn)
+    return held
+
+
+def _accumulation_worker(rank: int, world: int, port: int, out_path: str) -> None:
+    """Two steps of two micro-batches at EP 2, with and without accumulate_unsharded_grads; what FSDP holds just
+    before the second micro-batch of the first step."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rows = TRAIN.global_batch // world
+    local = _batches()[:, rank * rows:(rank + 1) * rows]
+    result = {}
+    for accumulate in (False, True):
+        torch.manual_seed(0)
+        model = _parallelize(Transformer(CFG), world, ep=2)
+        optimizer = build_optimizer(model, TRAIN, torch.device("cpu"))
+        held_per_forward = []
+        probe = model.register_forward_pre_hook(lambda *_: held_per_forward.append(_unsharded_grads_held(model)),
+                                                prepend=True)  # before FSDP's own pre-forward unshards anything
+        losses = [train_step(model, optimizer, local[step - 1], TRAIN, step, accumulate)[0][:3] for step in (1, 2)]
+        probe.remove()
+        result[accumulate] = {"held": held_per_forward[1], "losses": torch.stack(losses),
+                              "params": {n: _full(p.data).clone() for n, p in model.named_parameters()}}
+    if rank == 0:
+        torch.save(result, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_gradients_are_reduce_scattered_every_micro_batch_and_train_as_accumulating_them_does(tmp_path):
+    out = tmp_path / "rank0.pt"
+    assert TRAIN.global_batch // (2 * TRAIN.micro_batch) == 2  # two micro-batches per rank and step
+    mp.spawn(_accumulation_worker, args=(2, free_port(), str(out)), nprocs=2)
+    got = torch.load(out)
+    assert got[False]["held"] == []  # every gradient is already this rank's shard
+    assert got[True]["held"]  # the probe sees the unsharded gradients the old path holds
+    torch.testing.assert_close(got[False]["losses"], got[True]["losses"], rtol=1e-5, atol=1e-5)
+    for name, param in got[True]["params"].items():
+        torch.testing.assert_close(got[False]["params"][name], param, rtol=1e-4, atol=1e-4, msg=name)

@@ -10,13 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import train
 from dsv3 import checkpoint
 from dsv3.config import FLAVORS, Config, DataConfig, ModelConfig, TrainConfig
 from dsv3.model import Transformer
-from conftest import read_metrics
+from conftest import load_export, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "configs" / "debug.toml")
@@ -41,10 +40,10 @@ def stop_at(monkeypatch: pytest.MonkeyPatch, at_step: int, action) -> None:
     """Run `action(model)` in train_step just before step `at_step`."""
     real_step = train.train_step
 
-    def step_with_action(model, optimizer, batch, t, step):
+    def step_with_action(model, optimizer, batch, t, step, *args):
         if step == at_step:
             action(model)
-        return real_step(model, optimizer, batch, t, step)
+        return real_step(model, optimizer, batch, t, step, *args)
 
     monkeypatch.setattr(train, "train_step", step_with_action)
 
@@ -100,7 +99,7 @@ def test_export_loads_into_a_fresh_model_and_matches_the_last_checkpoint(learned
     cfg = ModelConfig(**json.loads((export / "config.json").read_text()))
     assert cfg == FLAVORS["debug"]
     exported = Transformer(cfg)
-    exported.load_state_dict(load_file(export / "model.safetensors"), strict=True)
+    exported.load_state_dict(load_export(export), strict=True)
 
     last = checkpoint.checkpoints(learned)[-1]
     assert last.name == f"step-{LEARN_STEPS}"
@@ -128,8 +127,8 @@ def test_init_from_starts_from_exported_weights(learned, tmp_path):
                "--checkpoint.every=0", "--checkpoint.export=true")
     assert rows[1]["loss"] < math.log(4096) - 1.5  # a trained model, not a fresh one
     assert checkpoint.checkpoints(tmp_path) == []  # every=0: no checkpoints at all
-    before = load_file(learned / "export" / "model.safetensors")
-    after = load_file(tmp_path / "export" / "model.safetensors")
+    before = load_export(learned / "export")
+    after = load_export(tmp_path / "export")
     assert before.keys() == after.keys()
     for name, value in before.items():
         torch.testing.assert_close(after[name], value, rtol=0, atol=0, msg=name)
@@ -160,8 +159,8 @@ def test_resume_continues_exactly(data, tmp_path, monkeypatch):
         for key, value in straight[step].items():
             if not key.startswith("tokens_per_s"):
                 assert resumed[step][key] == value, (step, key)
-    final = load_file(tmp_path / "resumed" / "export" / "model.safetensors")
-    for name, value in load_file(tmp_path / "straight" / "export" / "model.safetensors").items():
+    final = load_export(tmp_path / "resumed" / "export")
+    for name, value in load_export(tmp_path / "straight" / "export").items():
         assert torch.equal(final[name], value), name
 
 
