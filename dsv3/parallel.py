@@ -179,7 +179,10 @@ def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, red
     expert_mesh = meshes.experts["efsdp"] if ep > 1 else meshes.dense
     for block in blocks(model):
         if isinstance(block.ffn, MoE):
-            fully_shard(block.ffn.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=world > 1)
+            # experts on a 1-rank FSDP mesh (ep == world) hold whole shards: resharding them after forward would
+            # only cast and copy them again for backward
+            fully_shard(block.ffn.experts, mesh=expert_mesh, mp_policy=mp,
+                        reshard_after_forward=expert_mesh.size() > 1)
             # each expert's gradient sums the tokens of its whole EP group: average over all ranks, not efsdp
             block.ffn.experts.set_gradient_divide_factor(world)
             # gloo lacks the PREMUL_SUM that a custom factor uses (and a 1-rank mesh needs no reduction)

@@ -144,6 +144,34 @@ def test_bf16_adamw_moments_are_sharded_like_their_parameters_and_track_the_sing
         assert diff.mean() < 1e-5 and (diff > 1e-4).float().mean() < 1e-3, name
 
 
+def _forward_state_worker(rank: int, world: int, ep: int, port: int, out_path: str) -> None:
+    """After one training forward: is each expert stack still gathered (kept for backward), is attention not?"""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = _parallelize(Transformer(CFG), world, ep)
+    tokens = _batches()[0, :2]
+    model(tokens[:, :-1], tokens[:, 1:])
+    moe_blocks = [b for b in parallel.blocks(model) if isinstance(b.ffn, MoE)]
+    # gathered over FSDP: an expert stack is sharded over the EP mesh alone (1-D), not over (efsdp, ep)
+    experts_gathered = [b.ffn.experts.w13.device_mesh.ndim == 1 for b in moe_blocks]
+    attention_gathered = [not isinstance(b.attn.wo.weight, dist.tensor.DTensor) for b in moe_blocks]
+    if rank == 0:
+        torch.save({"experts": experts_gathered, "attention": attention_gathered}, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_experts_on_a_one_rank_fsdp_mesh_stay_gathered_from_forward_to_backward(tmp_path):
+    """ep == world: the experts' FSDP mesh has one rank, so resharding after forward would only cast and copy
+    them again for backward; dense parameters, sharded over every rank, are freed after forward as before."""
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_forward_state_worker, args=(2, 2, free_port(), str(out)), nprocs=2)
+    got = torch.load(out)
+    assert got["attention"] and not any(got["attention"])
+    assert all(got["experts"])
+
+
 def test_a_rank_that_receives_no_tokens_trains_like_the_single_process_run(tmp_path):
     """Routing can leave a rank's experts without a single token (seen at EP 4 on GPUs, where the empty grouped
     GEMM's backward failed). Its experts then get zero gradients, and everything else matches world 1."""
