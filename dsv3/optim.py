@@ -21,8 +21,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def round_to_bf16_stochastically(x: torch.Tensor) -> torch.Tensor:
-    """fp32 → bf16 rounding up with probability (distance to the lower bf16) / ulp, so E[result] = x: random
-    16 low bits are added to the fp32 bit pattern, then truncated away."""
+    """fp32 → bf16, the magnitude rounded up with probability (its distance to the bf16 below) / ulp, so that
+    E[result] = x: random 16 low bits are added to the fp32 bit pattern, then truncated away."""
     bits = x.view(torch.int32)
     noise = torch.randint_like(bits, 0, 1 << 16)
     return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # -65536 = 0xFFFF0000
