@@ -90,7 +90,7 @@ def evaluate(model: Transformer, cfg: Config, rank: int, world: int, device: tor
     whole batches as the split holds (at least one): the same sequences on every call and at every world size,
     so val losses of differently sharded runs compare."""
     t = cfg.train
-    model.eval()
+    model.eval()  # the main loss only: no MTP modules, no balance loss
     loader = PackedLoader(cfg.data.path, "val", t.seq_len, rank, world, shuffle=False)
     n_batches = min(t.val_batches, max(1, loader.num_sequences // t.global_batch))  # more would rescore the same
     total = torch.zeros((), device=device)
