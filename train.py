@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dsv3 import checkpoint, deepep, parallel, quant
+from dsv3 import checkpoint, deepep, optim, parallel, quant
 from dsv3.config import Config, TrainConfig, load_config
 from dsv3.data import PackedLoader, read_index
 from dsv3.metrics import MetricsLogger, expert_load_stats, flops_per_token, memory_stats, mfu, peak_flops
@@ -70,8 +70,13 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torc
         (total / len(micro_batches)).backward()
         losses += torch.stack([out.loss, mtp_loss / max(len(out.mtp_losses), 1), out.balance_loss]).detach()
         tokens_per_expert = tokens_per_expert + out.tokens_per_expert
-    grad_norm = parallel.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], t.grad_clip)
-    optimizer.step()
+    params = [p for p in model.parameters() if p.grad is not None]
+    if isinstance(optimizer, optim.AdamW):  # clipping folded into the update: no pass of its own over the grads
+        grad_norm = parallel.grad_norm(params)
+        optimizer.step(grad_scale=parallel.clip_scale(grad_norm, t.grad_clip))
+    else:
+        grad_norm = parallel.clip_grad_norm_(params, t.grad_clip)
+        optimizer.step()
     if t.precision == "fp8" and t.fp8_recipe == "tensorwise":  # fp8 all-gather reuses scales computed now
         quant.precompute_fp8_scales(model)
     optimizer.zero_grad(set_to_none=True)
@@ -89,7 +94,7 @@ def evaluate(model: Transformer, cfg: Config, rank: int, world: int, device: tor
     whole batches as the split holds (at least one): the same sequences on every call and at every world size,
     so val losses of differently sharded runs compare."""
     t = cfg.train
-    model.eval()
+    model.eval()  # the main loss only: no MTP modules, no balance loss
     loader = PackedLoader(cfg.data.path, "val", t.seq_len, rank, world, shuffle=False)
     n_batches = min(t.val_batches, max(1, loader.num_sequences // t.global_batch))  # more would rescore the same
     total = torch.zeros((), device=device)
@@ -101,10 +106,13 @@ def evaluate(model: Transformer, cfg: Config, rank: int, world: int, device: tor
 
 
 def build_optimizer(model: Transformer, t: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (norm scales are not decayed)."""
+    """AdamW; weight decay on matrices only (norm scales are not decayed). fp32 moments: torch's (fused on
+    CUDA); bf16 moments (paper §3.3): dsv3.optim's, which also takes the clipping factor into its step."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if t.optimizer_state_dtype == "bf16":
+        return optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), state_dtype=torch.bfloat16)
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device.type == "cuda")
 
 

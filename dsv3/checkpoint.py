@@ -91,7 +91,7 @@ def _rng_state() -> dict[str, torch.Tensor]:
 def _restore_rng(path: Path) -> None:
     """This rank's RNG streams as saved, when the world size is the one they were saved at; a resharded
     resume keeps the freshly seeded ones (one rank's stream has no counterpart at another world size).
-    Nothing draws from them after the model's init today: this keeps resume exact once something does."""
+    The bf16 optimizer's stochastic rounding (dsv3.optim) draws from them: this keeps its resume exact."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if {p.name for p in path.glob("rng-*.pt")} != {f"rng-{r}.pt" for r in range(world)}:
         return

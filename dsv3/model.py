@@ -3,7 +3,8 @@
 Notable: MLA with a decoupled shared-head RoPE key (§2.1.1) in its training ("naive") form; interleaved
 RoPE with YaRN, on only past `original_seq_len`; DeepSeekMoE blocks after the first `n_dense_layers`
 (dsv3.moe); D multi-token-prediction modules (§2.2) sharing the embedding and the output head.
-`model(tokens)` gives logits; `model(tokens, targets)` gives the losses separately (`TrainOutput`).
+`model(tokens)` gives logits; `model(tokens, targets)` gives the losses separately (`TrainOutput`); in eval mode
+only the main loss is computed (no MTP modules, no balance loss).
 Sharding, low precision, compile and activation checkpointing are applied from outside (train.py).
 """
 
@@ -148,8 +149,8 @@ class MTPModule(nn.Module):
 
 class TrainOutput(NamedTuple):
     loss: torch.Tensor  # main next-token cross-entropy
-    mtp_losses: list[torch.Tensor]  # one cross-entropy per MTP depth k = 1..D
-    balance_loss: torch.Tensor  # Σ over MoE layers of the sequence-wise balance loss (unweighted by α)
+    mtp_losses: list[torch.Tensor]  # one cross-entropy per MTP depth k = 1..D; none in eval mode
+    balance_loss: torch.Tensor  # Σ over MoE layers of the sequence-wise balance loss (unweighted by α); 0 in eval
     tokens_per_expert: torch.Tensor  # [n_moe_layers (+ MTP), E], this forward's routed token copies
 
 
@@ -188,7 +189,8 @@ class Transformer(nn.Module):
         """tokens [B, S] → logits [B, S, vocab]; with targets [B, S] (tokens shifted by one) → TrainOutput."""
         S = tokens.size(1)
         cos, sin = self.rope_cos[:S], self.rope_sin[:S]
-        h = self.embed(tokens)
+        emb = self.embed(tokens)  # [B, S, D]; MTP depth k reuses emb[:, k:], the embedding of t_{i+k}
+        h = emb
         tokens_per_expert, balance = [], []
         for layer in self.layers.values():
             h, counts, bal = layer(h, cos, sin)
@@ -199,10 +201,10 @@ class Transformer(nn.Module):
             return self.head(self.norm(h))
         loss = linear_cross_entropy(self.norm(h), self.head, targets)
         mtp_losses = []
-        for k, mtp in enumerate(self.mtp, start=1):
-            # depth k at position i sees t_{i+k} (= targets[i+k-1]) and predicts t_{i+k+1} (= targets[i+k])
+        for k, mtp in enumerate(self.mtp if self.training else [], start=1):  # evaluation scores the main head
+            # depth k at position i sees t_{i+k} (= tokens[i+k]) and predicts t_{i+k+1} (= targets[i+k])
             n = S - k
-            h, counts, bal = mtp(h[:, :n], self.embed(targets[:, k - 1:k - 1 + n]), cos[:n], sin[:n])
+            h, counts, bal = mtp(h[:, :n], emb[:, k:], cos[:n], sin[:n])
             mtp_losses.append(linear_cross_entropy(mtp.norm(h), self.head, targets[:, k:]))
             if counts is not None:
                 tokens_per_expert.append(counts)

@@ -40,7 +40,9 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> Routing:
-        logits = F.linear(x.float(), self.weight.float())  # [T, E], fp32 router math
+        # [T, E]: the GEMM in the model dtype (tensor cores, fp32 accumulation, no fp32 copy of x kept for
+        # backward), as DeepSeek's reference; scores, selection and gate weights in fp32
+        logits = F.linear(x, self.weight).float()
         scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
         biased = scores.detach() + self.expert_bias  # [T, E]
         if self.n_groups > 1:
@@ -206,7 +208,7 @@ class MLP(nn.Module):
 class MoEOutput(NamedTuple):
     y: torch.Tensor  # [B, S, D]
     tokens_per_expert: torch.Tensor  # [E] int64, counted once per real forward
-    balance_loss: torch.Tensor  # scalar, Σ_i f_i P_i averaged over sequences (α is applied by the trainer)
+    balance_loss: torch.Tensor  # scalar, Σ_i f_i P_i averaged over sequences (α is applied by the trainer); 0 in eval
 
 
 class MoE(nn.Module):
@@ -236,7 +238,10 @@ class MoE(nn.Module):
         y = self.dispatcher.wait(y)
         if shared is not None:
             y = y + shared
-        balance = sequence_balance_loss(routing.scores.view(B, S, -1), routing.topk_idx.view(B, S, -1), self.topk)
+        if self.training:
+            balance = sequence_balance_loss(routing.scores.view(B, S, -1), routing.topk_idx.view(B, S, -1), self.topk)
+        else:  # only training minimises it
+            balance = routing.scores.new_zeros(())
         # Counts are an output, not module state: activation-checkpoint recomputation cannot double them.
         return MoEOutput(y.view(B, S, D), tokens_per_expert, balance)
 

@@ -179,7 +179,10 @@ def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, red
     expert_mesh = meshes.experts["efsdp"] if ep > 1 else meshes.dense
     for block in blocks(model):
         if isinstance(block.ffn, MoE):
-            fully_shard(block.ffn.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=world > 1)
+            # experts on a 1-rank FSDP mesh (ep == world) hold whole shards: resharding them after forward would
+            # only cast and copy them again for backward
+            fully_shard(block.ffn.experts, mesh=expert_mesh, mp_policy=mp,
+                        reshard_after_forward=expert_mesh.size() > 1)
             # each expert's gradient sums the tokens of its whole EP group: average over all ranks, not efsdp
             block.ffn.experts.set_gradient_divide_factor(world)
             # gloo lacks the PREMUL_SUM that a custom factor uses (and a 1-rank mesh needs no reduction)
@@ -259,16 +262,28 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global L2 norm over sharded gradients, clipped to max_norm. Every DTensor here is sharded, never
-    replicated, so local squared sums add up over ranks exactly once, whatever mesh each lives on."""
+def grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
+    """Global L2 norm over sharded gradients. Every DTensor here is sharded, never replicated, so local
+    squared sums add up over ranks exactly once, whatever mesh each lives on."""
     grads = [p.grad for p in params if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     total_sq = torch.stack(torch._foreach_norm(local, 2.0)).float().pow(2).sum()
     if dist.is_initialized() and any(isinstance(g, DTensor) for g in grads):
         dist.all_reduce(total_sq)
-    total = total_sq.sqrt()
-    torch._foreach_mul_(local, (max_norm / (total + 1e-6)).clamp(max=1.0))
+    return total_sq.sqrt()
+
+
+def clip_scale(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor that brings gradients of norm `total_norm` down to `max_norm` (1 when already below)."""
+    return (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global L2 norm over sharded gradients (`grad_norm`), clipped to max_norm in place."""
+    total = grad_norm(params)
+    local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    torch._foreach_mul_(local, clip_scale(total, max_norm))
     return total
 
 

@@ -27,7 +27,7 @@ from dsv3.metrics import flops_per_token, memory_stats, mfu, peak_flops  # noqa:
 
 # First match wins: kernel-name fragments (lower case) → phase.
 PHASES = [
-    ("optimizer", ("adam", "multi_tensor_apply")),
+    ("optimizer", ("adam", "multi_tensor_apply", "lerp")),  # lerp: dsv3.optim's compiled update (bf16 moments)
     ("attention", ("sdpa", "fmha", "flash", "attention", "cudnn")),
     ("loss", ("softmax", "nll_loss", "cross_entropy", "logsumexp", "chunk_loss")),
     ("expert GEMMs", ("grouped", "group_gemm", "ptrarray", "groupproblem")),

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dsv3 import moe
 from dsv3.config import FLAVORS, ModelConfig
 from dsv3.model import MLA, Transformer, TrainOutput, rope_frequencies
 
@@ -94,6 +95,50 @@ def test_mtp_depth1_loss_is_cross_entropy_of_the_token_two_ahead():
     torch.testing.assert_close(out.mtp_losses[0], expected)
     wrong_shift = F.cross_entropy(logits.flatten(0, 1), seq[:, 1:S].flatten())
     assert not torch.allclose(out.mtp_losses[0], wrong_shift)
+
+
+def test_mtp_reuses_the_main_embedding_lookup():
+    """Depth k's Emb(t_{i+k}) is a slice of the trunk's lookup, not a second one: the embedding runs once, and the
+    depth-2 loss equals the one computed with its own lookup of the shifted tokens."""
+    model = debug_model(n_mtp_layers=2)
+    seq = random_tokens(model.cfg, 2, 17)
+    tokens, targets = seq[:, :-1], seq[:, 1:]
+    lookups = []
+    model.embed.register_forward_hook(lambda module, args, out: lookups.append(args[0].shape))
+
+    out = model(tokens, targets)
+
+    assert lookups == [tokens.shape]
+    S, cos, sin = 16, model.rope_cos, model.rope_sin
+    h = model.embed(tokens)
+    for layer in model.layers.values():
+        h = layer(h, cos[:S], sin[:S])[0]
+    for k, mtp in enumerate(model.mtp, start=1):
+        n = S - k
+        h = mtp(h[:, :n], model.embed(seq[:, k:k + n]), cos[:n], sin[:n])[0]
+    expected = F.cross_entropy(model.head(model.mtp[1].norm(h)).flatten(0, 1), seq[:, 3:].flatten())
+    torch.testing.assert_close(out.mtp_losses[1], expected)
+
+
+def test_eval_mode_scores_the_main_head_only(monkeypatch):
+    """What evaluation discards is not computed: no MTP module runs and no balance loss, the main loss is the
+    training call's."""
+    model = debug_model(n_mtp_layers=1)
+    seq = random_tokens(model.cfg, 2, 17)
+    tokens, targets = seq[:, :-1], seq[:, 1:]
+    trained = model(tokens, targets)
+    mtp_calls, balance_calls = [], []
+    model.mtp[0].register_forward_hook(lambda *_: mtp_calls.append(1))
+    real_balance_loss = moe.sequence_balance_loss
+    monkeypatch.setattr(moe, "sequence_balance_loss", lambda *a: balance_calls.append(1) or real_balance_loss(*a))
+
+    out = model.eval()(tokens, targets)
+
+    assert mtp_calls == [] and balance_calls == []
+    assert out.mtp_losses == [] and out.balance_loss.item() == 0.0
+    torch.testing.assert_close(out.loss, trained.loss, rtol=0, atol=0)
+    model.train()(tokens, targets)
+    assert mtp_calls and balance_calls  # the hooks do see training calls
 
 
 def test_main_head_is_causal():

@@ -164,7 +164,7 @@ def test_gate_weights_sum_to_route_scale_with_route_norm(score_func):
 
 
 @pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
-def test_router_math_is_fp32_for_bf16_input(score_func):
+def test_router_gemm_runs_in_the_model_dtype_and_scores_in_fp32(score_func):
     cfg = moe_config(score_func=score_func)
     router = make_router(cfg)
     router.weight.data = router.weight.data.bfloat16()  # as under FSDP2's bf16 param_dtype
@@ -173,9 +173,9 @@ def test_router_math_is_fp32_for_bf16_input(score_func):
     routing = router(x)
 
     assert routing.scores.dtype == routing.topk_weights.dtype == torch.float32
-    logits = x.float() @ router.weight.float().T
+    logits = (x @ router.weight.T).float()  # the bf16 GEMM's logits
     expected = logits.sigmoid() if score_func == "sigmoid" else logits.softmax(dim=-1)
-    # far tighter than bf16 resolution (~4e-3): the scores were not computed in bf16
+    # far tighter than bf16 resolution (~4e-3): the scores of those logits were not rounded to bf16
     torch.testing.assert_close(routing.scores, expected, rtol=1e-5, atol=1e-6)
 
 

@@ -40,22 +40,25 @@ def _unwrapped(name: str) -> str:
     return name.replace("._checkpoint_wrapped_module", "")
 
 
-def _run(model: Transformer, batches: torch.Tensor, rank: int, world: int) -> dict:
-    """First-step gradients (no update), then STEPS optimizer steps: losses, expert biases, parameters."""
+def _run(model: Transformer, batches: torch.Tensor, rank: int, world: int, train: TrainConfig = TRAIN) -> dict:
+    """First-step gradients (no update), then STEPS optimizer steps: losses, expert biases, parameters,
+    and the dtype of every optimizer state tensor."""
     rows = TRAIN.global_batch // world
     local = batches[:, rank * rows:(rank + 1) * rows]
     out = model(local[0][:, :-1], local[0][:, 1:])
     (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
     grads = {_unwrapped(n): _full(p.grad).clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    optimizer = build_optimizer(model, TRAIN, torch.device("cpu"))
+    optimizer = build_optimizer(model, train, torch.device("cpu"))
     losses = []
     for step in range(1, STEPS + 1):
         for group in optimizer.param_groups:
-            group["lr"] = TRAIN.lr
-        values, _ = train_step(model, optimizer, local[step - 1], TRAIN, step)
+            group["lr"] = train.lr
+        values, _ = train_step(model, optimizer, local[step - 1], train, step)
         losses.append(values[:3].tolist())
-    return {"grads": grads, "losses": torch.tensor(losses),
+    moments = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    return {"grads": grads, "losses": torch.tensor(losses), "state_dtypes": {m.dtype for m in moments},
+            "sharded_states": sum(isinstance(m, dist.tensor.DTensor) for m in moments),
             "biases": torch.stack([r.expert_bias for r in model.routers()]),
             "params": {_unwrapped(n): _full(p.data).clone() for n, p in model.named_parameters()}}
 
@@ -84,7 +87,8 @@ def _parallelize(model: Transformer, world: int, ep: int, ac: str = "none", para
     return model
 
 
-def _worker(rank: int, world: int, ep: int, port: int, out_path: str, ac: str = "none", starve: bool = False) -> None:
+def _worker(rank: int, world: int, ep: int, port: int, out_path: str, ac: str = "none", starve: bool = False,
+            train: TrainConfig = TRAIN) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -94,7 +98,7 @@ def _worker(rank: int, world: int, ep: int, port: int, out_path: str, ac: str = 
         _starve_last_rank(model, ep)
         for moe in parallel.moe_layers(model):
             moe.experts.register_forward_pre_hook(lambda _, args: expert_rows.append(args[0].size(0)))
-    result = _run(_parallelize(model, world, ep, ac), _batches(), rank, world)
+    result = _run(_parallelize(model, world, ep, ac), _batches(), rank, world, train)
     if starve:  # the fewest rows any rank's experts were handed
         result["min_expert_rows"] = _all_reduce_min(torch.tensor(min(expert_rows)))
     if rank == 0:
@@ -122,6 +126,52 @@ def test_sharded_training_matches_single_process(world, ep, ac, reference, tmp_p
     # Adam divides by sqrt(v): elements whose gradient is ~0 turn 1e-9 reduction-order noise into 1e-5
     for name, param in reference["params"].items():
         torch.testing.assert_close(got["params"][name], param, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_bf16_adamw_moments_are_sharded_like_their_parameters_and_track_the_single_process_run(tmp_path):
+    """FSDP2 + EP 2 with `optimizer_state_dtype=bf16`: every moment is a bf16 DTensor shard, and the run tracks
+    one process's (stochastic rounding draws differ per shard, so not bit for bit)."""
+    train = replace(TRAIN, optimizer_state_dtype="bf16")
+    torch.manual_seed(0)
+    reference = _run(Transformer(CFG), _batches(), 0, 1, train)
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_worker, args=(2, 2, free_port(), str(out), "none", False, train), nprocs=2)
+    got = torch.load(out)
+    assert got["state_dtypes"] == reference["state_dtypes"] == {torch.bfloat16}
+    assert got["sharded_states"] == 2 * len(reference["params"])
+    torch.testing.assert_close(got["losses"], reference["losses"], rtol=1e-4, atol=1e-4)
+    for name, param in reference["params"].items():
+        # each weight moved ~lr·STEPS = 3e-3; Adam turns noise on near-zero gradients into ±lr for a rare element
+        diff = (got["params"][name] - param).abs()
+        assert diff.mean() < 1e-5 and (diff > 1e-4).float().mean() < 1e-3, name
+
+
+def _forward_state_worker(rank: int, world: int, ep: int, port: int, out_path: str) -> None:
+    """After one training forward: is each expert stack still gathered (kept for backward), is attention not?"""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = _parallelize(Transformer(CFG), world, ep)
+    tokens = _batches()[0, :2]
+    model(tokens[:, :-1], tokens[:, 1:])
+    moe_blocks = [b for b in parallel.blocks(model) if isinstance(b.ffn, MoE)]
+    # gathered over FSDP: an expert stack is sharded over the EP mesh alone (1-D), not over (efsdp, ep)
+    experts_gathered = [b.ffn.experts.w13.device_mesh.ndim == 1 for b in moe_blocks]
+    attention_gathered = [not isinstance(b.attn.wo.weight, dist.tensor.DTensor) for b in moe_blocks]
+    if rank == 0:
+        torch.save({"experts": experts_gathered, "attention": attention_gathered}, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_experts_on_a_one_rank_fsdp_mesh_stay_gathered_from_forward_to_backward(tmp_path):
+    """ep == world: the experts' FSDP mesh has one rank, so resharding after forward would only cast and copy
+    them again for backward; dense parameters, sharded over every rank, are freed after forward as before."""
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_forward_state_worker, args=(2, 2, free_port(), str(out)), nprocs=2)
+    got = torch.load(out)
+    assert got["attention"] and not any(got["attention"])
+    assert all(got["experts"])
 
 
 def test_a_rank_that_receives_no_tokens_trains_like_the_single_process_run(tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 import train
 from dsv3 import checkpoint
@@ -142,15 +143,20 @@ SCHEDULE = [*TINY, "--train.steps=8", "--train.warmup_steps=2", "--train.decay_s
             "--checkpoint.export=true"]
 
 
-def test_resume_continues_exactly(data, tmp_path, monkeypatch):
-    straight = run(tmp_path / "straight", *SCHEDULE)
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])  # bf16: stochastically rounded moments, saved as bf16
+def test_resume_continues_exactly(data, tmp_path, monkeypatch, state_dtype):
+    schedule = [*SCHEDULE, f"--train.optimizer_state_dtype={state_dtype}"]
+    straight = run(tmp_path / "straight", *schedule)
 
     stop_at(monkeypatch, 5, interrupt)
     with pytest.raises(Interrupted):
-        run(tmp_path / "resumed", *SCHEDULE, "--checkpoint.every=4")
+        run(tmp_path / "resumed", *schedule, "--checkpoint.every=4")
     assert [p.name for p in checkpoint.checkpoints(tmp_path / "resumed")] == ["step-4"]
+    saved = dcp_metadata(tmp_path / "resumed" / "step-4")
+    assert {m.properties.dtype for k, m in saved.items() if k.endswith("exp_avg_sq")} == {
+        torch.float32 if state_dtype == "fp32" else torch.bfloat16}
     monkeypatch.undo()
-    resumed = run(tmp_path / "resumed", *SCHEDULE, "--checkpoint.every=4", "--resume")
+    resumed = run(tmp_path / "resumed", *schedule, "--checkpoint.every=4", "--resume")
 
     assert sorted(resumed) == sorted(straight) == list(range(1, 9))
     assert [straight[s]["global_batch"] for s in range(1, 9)] == [2, 2, 4, 4, 4, 4, 4, 4]
@@ -162,6 +168,11 @@ def test_resume_continues_exactly(data, tmp_path, monkeypatch):
     final = load_export(tmp_path / "resumed" / "export")
     for name, value in load_export(tmp_path / "straight" / "export").items():
         assert torch.equal(final[name], value), name
+
+
+def dcp_metadata(path: Path) -> dict:
+    """What a DCP checkpoint holds: its keys' storage metadata (dtype, shape)."""
+    return FileSystemReader(str(path)).read_metadata().state_dict_metadata
 
 
 @pytest.mark.parametrize("failing", ["dcp.save", "os.replace"])

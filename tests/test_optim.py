@@ -1,0 +1,103 @@
+"""dsv3.optim.AdamW: torch.optim.AdamW's update exactly with fp32 moments, clipping folded into the step,
+unbiased bf16 rounding of the moments, and bf16 moments that train the debug model like fp32 ones."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dsv3 import optim, parallel
+from dsv3.config import FLAVORS, TrainConfig
+from dsv3.model import Transformer
+from train import build_optimizer, train_step
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(7, 5, generator=g)), torch.nn.Parameter(torch.randn(11, generator=g))]
+
+
+def _groups(params: list[torch.nn.Parameter]) -> list[dict]:
+    return [{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}]
+
+
+def test_fp32_state_matches_torch_adamw_exactly():
+    ours, theirs = _params(), _params()
+    mine = optim.AdamW(_groups(ours), lr=1e-2, betas=(0.9, 0.95), state_dtype=torch.float32)
+    reference = torch.optim.AdamW(_groups(theirs), lr=1e-2, betas=(0.9, 0.95))
+    g = torch.Generator().manual_seed(1)
+    for step in range(1, 8):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        for group in mine.param_groups + reference.param_groups:
+            group["lr"] = 1e-2 * step / 7  # a schedule: lr changes every step
+        mine.step()
+        reference.step()
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(mine.state[p][key], reference.state[q][key])
+
+
+def test_grad_scale_in_the_step_equals_clip_then_step():
+    ours, theirs = _params(), _params()
+    mine = optim.AdamW(_groups(ours), lr=1e-2, state_dtype=torch.float32)
+    reference = torch.optim.AdamW(_groups(theirs), lr=1e-2)
+    for step in range(3):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.full(p.shape, 10.0 * (step + 1)) + torch.arange(p.numel()).view(p.shape)
+            q.grad = p.grad.clone()
+        norm = parallel.grad_norm(ours)
+        mine.step(grad_scale=parallel.clip_scale(norm, 1.0))
+        assert torch.equal(parallel.clip_grad_norm_(theirs, 1.0), norm)  # the norm is still there to log
+        reference.step()
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p, q)
+
+
+def test_stochastic_bf16_rounding_lands_on_a_neighbour_and_is_unbiased():
+    x = torch.full((200_000,), 1.0 + 2 ** -9)  # a quarter of the way from 1 to the next bf16, 1 + 2⁻⁷
+    rounded = optim.round_to_bf16_stochastically(x).float()
+    assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2 ** -7}
+    assert abs(rounded.mean().item() - x[0].item()) < 2e-5  # nearest rounding would give 1.0 every time
+    exact = torch.tensor([0.0, -3.0, 0.15625, 2.0 ** 100])  # already bf16: unchanged
+    assert torch.equal(optim.round_to_bf16_stochastically(exact).float(), exact)
+
+
+def test_bf16_state_is_bf16_and_trains_the_debug_model_like_fp32_state():
+    """50 steps on a fixed batch of the debug model: the loss curves agree within 2% of the starting loss at every
+    step (stochastic rounding makes them differ a little, not drift apart)."""
+    cfg = replace(FLAVORS["debug"], n_layers=2, max_seq_len=32)
+    t = TrainConfig(global_batch=4, micro_batch=4, seq_len=32, lr=3e-3, warmup_steps=0, steps=50)
+    batch = torch.randint(0, cfg.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
+    curves = {}
+    for dtype in ("fp32", "bf16"):
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        optimizer = build_optimizer(model, replace(t, optimizer_state_dtype=dtype), torch.device("cpu"))
+        curves[dtype] = torch.stack([train_step(model, optimizer, batch, t, step)[0][0] for step in range(1, 51)])
+        moments = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+        assert {m.dtype for m in moments} == {torch.float32 if dtype == "fp32" else torch.bfloat16}
+    assert curves["fp32"][-1] < 0.5 * curves["fp32"][0]  # it learns the batch, so the comparison means something
+    torch.testing.assert_close(curves["bf16"], curves["fp32"], rtol=0, atol=0.02 * curves["fp32"][0].item())
+
+
+def test_closure_is_refused():
+    with pytest.raises(ValueError, match="closure"):
+        optim.AdamW(_params()).step(lambda: 0.0)
+
+
+def test_loading_a_state_dict_keeps_the_moments_bf16():
+    """torch's Optimizer.load_state_dict casts state to the parameters' fp32: a resumed run would silently
+    continue with fp32 moments."""
+    params = _params()
+    optimizer = optim.AdamW(_groups(params))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    saved = {k: v.clone() for k, v in optimizer.state[params[0]].items()}
+    optimizer.load_state_dict(optimizer.state_dict())
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert optimizer.state[params[0]][key].dtype == torch.bfloat16
+        assert torch.equal(optimizer.state[params[0]][key], saved[key])
