@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         raise FileNotFoundError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no *.safetensors: point it "
                                 f"at an export, or convert an HF model with scripts/convert_hf.py --to-dsv3")
     run_dir = Path(cfg.checkpoint.dir)
-    checkpoint.lock_run_dir(run_dir)  # one run per directory, held until this process ends
+    checkpoint.lock_run_dir(run_dir, create=not cfg.checkpoint.resume)  # one run per directory, until it ends
     found = checkpoint.checkpoints(run_dir)
     if found and not cfg.checkpoint.resume:
         raise FileExistsError(f"checkpoint.dir={run_dir} already holds checkpoints "

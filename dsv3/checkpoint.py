@@ -192,7 +192,7 @@ def resume_from(run_dir: str | Path, checksums: bool = True) -> Path:
         if not run_dir.is_dir():
             holds = "does not exist"
         else:
-            names = sorted(p.name for p in run_dir.iterdir())
+            names = sorted(p.name for p in run_dir.iterdir() if p.name != "lock")
             holds = f"holds {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}" if names else "is empty"
         raise UserError(f"--resume: checkpoint.dir={run_dir} {holds}, no complete checkpoint (step-N/) to resume "
                         f"from: check the path, or drop --resume to start a new run")
@@ -210,12 +210,13 @@ def resume_from(run_dir: str | Path, checksums: bool = True) -> Path:
                     f"restore one from a backup, or drop --resume to start a new run")
 
 
-def lock_run_dir(run_dir: str | Path) -> None:
+def lock_run_dir(run_dir: str | Path, create: bool = True) -> None:
     """Hold an OS lock on `run_dir/lock` (rank 0; the OS drops it when the process dies) for this run's life:
-    a second run on the same directory is refused with the holder's pid and host, on every rank."""
+    a second run on the same directory is refused with the holder's pid and host, on every rank. create=False
+    (resuming) leaves a missing directory missing, for `resume_from` to report."""
     run_dir = Path(run_dir).resolve()
     problem = None
-    if _rank() == 0:
+    if _rank() == 0 and (create or run_dir.is_dir()):
         stale = _held_locks.pop(run_dir, None)  # an earlier run in this process that ended by an exception
         if stale is not None:
             stale.close()

@@ -3,6 +3,7 @@ crash mid-save, stops on a non-finite loss before checkpointing, refuses bad inp
 and exports a model that loads on its own; plus its schedules and gradient accumulation."""
 
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -308,6 +309,18 @@ def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(data, 
     with pytest.raises(FileExistsError, match=r"already holds checkpoints \(step-300\).*--resume"):
         run(tmp_path, *TINY, "--train.steps=2", "--checkpoint.every=2")
     assert (tmp_path / "step-300").is_dir()
+
+
+def test_a_second_run_on_a_live_runs_directory_is_refused_with_the_holders_pid_and_host(data, tmp_path,
+                                                                                        monkeypatch):
+    with open(tmp_path / "lock", "w") as live_run:  # as a run in another process holds it
+        live_run.write("4242 gpu-node-7\n")
+        live_run.flush()
+        fcntl.flock(live_run, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+        for resume in ([], ["--resume"]):
+            with pytest.raises(UserError, match=r"is in use by another run \(pid 4242 on host gpu-node-7\)"):
+                run(tmp_path, *TINY, *resume)
 
 
 # --- schedules ---------------------------------------------------------------------------------------
