@@ -20,7 +20,8 @@ import torch.distributed as dist
 from dsv3 import checkpoint, deepep, parallel, quant
 from dsv3.config import Config, TrainConfig, load_config
 from dsv3.data import PackedLoader, read_index
-from dsv3.metrics import DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, memory_stats, mfu, peak_flops
+from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, memory_stats, mfu,
+                          peak_flops)
 from dsv3.model import Transformer
 from dsv3.moe import update_expert_bias
 
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
                               f"({', '.join(p.name for p in found)}): continue that run "
                               "with --resume, or give this one its own --checkpoint.dir")
     resume_path = checkpoint.resume_from(run_dir, cfg.checkpoint.verify_checksums) if cfg.checkpoint.resume else None
-    if resume_path and int(resume_path.name.split("-")[1]) >= t.steps:
+    if resume_path and checkpoint.step_of(resume_path) >= t.steps:
         if rank == 0:
             print(f"{resume_path} is the end of this run (train.steps={t.steps}): nothing to train; raise "
                   f"--train.steps to continue it")
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         values = torch.stack([v for _, v in pending]).tolist() if pending else []
         for (step, _), row in zip(pending, values):
             problem = guard.check(step, dict(zip(("loss", "mtp_loss", "balance_loss", "grad_norm"), row)))
-            if problem:  # step-1's weights produced these values: only checkpoints up to step-2 are sound
+            if problem:  # the weights after step s-1 produced step s's values: only those up to s-2 are vouched for
                 kept = checkpoint.discard_after(run_dir, step - 2)
                 raise FloatingPointError(f"{problem}; newer checkpoints were moved aside (*.diverged), the newest "
                                          f"left is {kept or 'none'}: --resume from it, e.g. with a lower --train.lr")

@@ -60,6 +60,11 @@ def checkpoints(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def step_of(path: Path) -> int:
+    """The step of checkpoint `path` (`step-N`)."""
+    return int(path.name.split("-")[1])
+
+
 def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
          train_state: dict[str, Any], keep: int, checksums: bool = True) -> Path:
     """Model (expert biases included: they are buffers), optimizer, `train_state` (step, data-loader
@@ -84,7 +89,9 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
             os.replace(tmp, final)
             _rotate(run_dir, keep)
     except Exception as e:
-        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+        # DCP and torch.save may wrap the OS error in their own (torch.save: "enforce fail at inline_container")
+        disk_full = getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e)
+        if disk_full or shutil.disk_usage(run_dir).free < _CHUNK:
             previous = [p.name for p in checkpoints(run_dir) if p != final]
             raise OSError(errno.ENOSPC, f"No space left on device while writing checkpoint {tmp}: free space "
                           f"there, then --resume (the last complete checkpoint, "
@@ -111,10 +118,11 @@ def discard_after(run_dir: str | Path, step: int) -> Path | None:
     run_dir = Path(run_dir)
     if _rank() == 0:
         for path in checkpoints(run_dir):
-            if int(path.name.split("-")[1]) > step:
+            if step_of(path) > step:
                 shutil.rmtree(path.with_name(path.name + ".diverged"), ignore_errors=True)
                 os.replace(path, path.with_name(path.name + ".diverged"))
-    kept = [p for p in checkpoints(run_dir) if int(p.name.split("-")[1]) <= step]
+    _barrier()
+    kept = checkpoints(run_dir)
     return kept[-1] if kept else None
 
 

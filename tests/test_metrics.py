@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dsv3.config import FLAVORS
-from dsv3.metrics import (DivergenceGuard, MetricsLogger, _wandb_mode, active_matmul_params, expert_load_stats, flops_per_token,
+from dsv3.metrics import (DivergenceGuard, MetricsLogger, _wandb_mode, active_matmul_params, expert_load_stats,
+                          flops_per_token,
                           mfu, peak_flops)
 from dsv3.model import Transformer
 
@@ -118,8 +119,9 @@ def test_divergence_guard_stops_on_a_spike_against_the_running_mean_or_a_nan():
     guard = DivergenceGuard(factor=10, warmup=3)
     healthy = [{"loss": 8.0 - 0.1 * s, "grad_norm": 1.0 + 0.5 * (s % 2)} for s in range(6)]
     assert all(guard.check(step, values) is None for step, values in enumerate(healthy))
+    mean = guard.means["grad_norm"]
     assert guard.check(6, {"loss": 7.5, "grad_norm": 30.0}) == (
-        f"grad_norm spiked to 30 at step 6, over train.spike_factor=10 × its running mean {guard.means['grad_norm']:.4g}")
+        f"grad_norm spiked to 30 at step 6, over train.spike_factor=10 × its running mean {mean:.4g}")
     assert guard.check(6, {"loss": 7.5, "grad_norm": 1.0, "mtp_loss": float("nan")}) == "mtp_loss is nan at step 6"
     assert DivergenceGuard(factor=0).check(1, {"loss": 1e9, "grad_norm": 1e9}) is None  # off
     early = DivergenceGuard(factor=10, warmup=3)  # not judged before `warmup` healthy steps
