@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     flops = flops_per_token(mcfg, t.seq_len)
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     pending: list[tuple[int, torch.Tensor]] = []  # (step, [main, mtp, bal, gnorm] on device): no sync yet
-    guard = DivergenceGuard(t.spike_factor)
+    guard = DivergenceGuard(t.loss_spike_factor, t.grad_norm_spike_factor)
     clock, tokens_since = time.perf_counter(), 0
 
     def flush() -> list[float] | None:

@@ -170,14 +170,13 @@ def _rewind(path: str, start_step: int) -> float:
 
 
 class DivergenceGuard:
-    """Stops a run whose loss or gradient norm jumps to more than `factor` × its running mean (an exponential
-    moving average over the healthy steps seen, judged once `warmup` of them are in); factor 0 turns it off.
-    A NaN or inf in any value always stops it."""
+    """Stops a run whose loss or gradient norm jumps to more than its factor × its running mean (an exponential
+    moving average over the healthy steps seen, judged once `warmup` of them are in); a factor 0 turns that
+    check off. A NaN or inf in any value always stops it."""
 
-    judged = ("loss", "grad_norm")
-
-    def __init__(self, factor: float, warmup: int = 5, decay: float = 0.9):
-        self.factor, self.warmup, self.decay = factor, warmup, decay
+    def __init__(self, loss_factor: float, grad_norm_factor: float, warmup: int = 5, decay: float = 0.9):
+        self.factors = {"loss": loss_factor, "grad_norm": grad_norm_factor}
+        self.warmup, self.decay = warmup, decay
         self.seen = 0
         self.means: dict[str, float] = {}
 
@@ -186,12 +185,12 @@ class DivergenceGuard:
         for name, value in values.items():
             if not math.isfinite(value):
                 return f"{name} is {value} at step {step}"
-        if self.factor and self.seen >= self.warmup:
-            for name in self.judged:
-                if values[name] > self.factor * self.means[name]:
-                    return (f"{name} spiked to {values[name]:.4g} at step {step}, over train.spike_factor="
-                            f"{self.factor:g} × its running mean {self.means[name]:.4g}")
-        for name in self.judged:
+        if self.seen >= self.warmup:
+            for name, factor in self.factors.items():
+                if factor and values[name] > factor * self.means[name]:
+                    return (f"{name} spiked to {values[name]:.4g} at step {step}, over "
+                            f"train.{name}_spike_factor={factor:g} × its running mean {self.means[name]:.4g}")
+        for name in self.factors:
             mean = self.means.get(name, values[name])
             self.means[name] = self.decay * mean + (1 - self.decay) * values[name]
         self.seen += 1

@@ -116,15 +116,21 @@ def test_eta_uses_the_average_rate_since_the_first_log_call(tmp_path, capsys, mo
 
 
 def test_divergence_guard_stops_on_a_spike_against_the_running_mean_or_a_nan():
-    guard = DivergenceGuard(factor=10, warmup=3)
+    guard = DivergenceGuard(loss_factor=3, grad_norm_factor=10, warmup=3)
     healthy = [{"loss": 8.0 - 0.1 * s, "grad_norm": 1.0 + 0.5 * (s % 2)} for s in range(6)]
     assert all(guard.check(step, values) is None for step, values in enumerate(healthy))
+    assert guard.check(6, {"loss": 7.5, "grad_norm": 9.0}) is None  # an early-training gnorm blip is no stop
     mean = guard.means["grad_norm"]
-    assert guard.check(6, {"loss": 7.5, "grad_norm": 30.0}) == (
-        f"grad_norm spiked to 30 at step 6, over train.spike_factor=10 × its running mean {mean:.4g}")
-    assert guard.check(6, {"loss": 7.5, "grad_norm": 1.0, "mtp_loss": float("nan")}) == "mtp_loss is nan at step 6"
-    assert DivergenceGuard(factor=0).check(1, {"loss": 1e9, "grad_norm": 1e9}) is None  # off
-    early = DivergenceGuard(factor=10, warmup=3)  # not judged before `warmup` healthy steps
+    assert guard.check(7, {"loss": 7.5, "grad_norm": 30.0}) == (
+        f"grad_norm spiked to 30 at step 7, over train.grad_norm_spike_factor=10 × its running mean {mean:.4g}")
+    loss_mean = guard.means["loss"]
+    assert guard.check(7, {"loss": 30.0, "grad_norm": 1.0}) == (
+        f"loss spiked to 30 at step 7, over train.loss_spike_factor=3 × its running mean {loss_mean:.4g}")
+    assert guard.check(7, {"loss": 7.5, "grad_norm": 1.0, "mtp_loss": float("nan")}) == "mtp_loss is nan at step 7"
+    off = DivergenceGuard(loss_factor=0, grad_norm_factor=0, warmup=0)
+    assert off.check(1, {"loss": 1.0, "grad_norm": 1.0}) is None
+    assert off.check(2, {"loss": 1e9, "grad_norm": 1e9}) is None
+    early = DivergenceGuard(loss_factor=3, grad_norm_factor=10, warmup=3)  # not judged before `warmup` steps
     assert early.check(1, {"loss": 8.0, "grad_norm": 1.0}) is None
     assert early.check(2, {"loss": 800.0, "grad_norm": 1.0}) is None
 

@@ -240,8 +240,8 @@ def test_an_exploding_update_is_caught_before_its_weights_become_the_checkpoint_
 
     monkeypatch.setattr(train, "train_step", exploding_step)
     args = [*TINY, "--train.steps=8", "--checkpoint.every=2", "--checkpoint.keep=1"]
-    with pytest.raises(FloatingPointError, match=r"^loss spiked to .* at step 7, over train.spike_factor=10 × its "
-                                                 rf"running mean .* the newest left is {tmp_path / 'step-4'}:"):
+    with pytest.raises(FloatingPointError, match=r"^loss spiked to .* at step 7, over train.loss_spike_factor=3 × "
+                                                 rf"its running mean .* the newest left is {tmp_path / 'step-4'}:"):
         run(tmp_path, *args)
     monkeypatch.undo()
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-4"]  # keep=1 kept the confirmed one
@@ -286,7 +286,7 @@ def test_resume_with_no_checkpoint_is_an_error_not_a_fresh_start(data, tmp_path,
     (["--checkpoint.init_from=/nonexistent/weights"], FileNotFoundError, r"holds no \*.safetensors"),
     (["--log.every=0"], ValueError, "log.every must be >= 1, got 0"),
     (["--train.val_batches=0"], ValueError, "train.val_batches must be >= 1, got 0"),
-    (["--train.spike_factor=0.5"], ValueError, r"train.spike_factor must be 0 \(off\) or > 1, got 0.5"),
+    (["--train.loss_spike_factor=0.5"], ValueError, r"train.loss_spike_factor must be 0 \(off\) or > 1, got 0\.5"),
     (["--checkpoint.dir=/dev/null/run"], UserError, "checkpoint.dir=/dev/null/run cannot be written"),
 ], ids=["flavor", "key", "model-key", "no-value", "no-dashes", "type", "data", "vocab", "batch", "seq-len",
         "ep", "init-from", "log-every", "val-batches", "spike-factor", "unwritable-dir"])
