@@ -20,7 +20,8 @@ import torch.distributed as dist
 from dsv3 import checkpoint, deepep, optim, parallel, quant
 from dsv3.config import Config, TrainConfig, load_config
 from dsv3.data import PackedLoader, read_index
-from dsv3.metrics import MetricsLogger, expert_load_stats, flops_per_token, memory_stats, mfu, peak_flops
+from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, memory_stats, mfu,
+                          peak_flops)
 from dsv3.model import Transformer
 from dsv3.moe import update_expert_bias
 from dsv3.plan import check_fits
@@ -184,11 +185,24 @@ def main(argv: list[str] | None = None) -> None:
         raise FileNotFoundError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no *.safetensors: point it "
                                 f"at an export, or convert an HF model with scripts/convert_hf.py --to-dsv3")
     run_dir = Path(cfg.checkpoint.dir)
+    checkpoint.lock_run_dir(run_dir, create=not cfg.checkpoint.resume)  # one run per directory, until it ends
     found = checkpoint.checkpoints(run_dir)
     if found and not cfg.checkpoint.resume:
         raise FileExistsError(f"checkpoint.dir={run_dir} already holds checkpoints "
                               f"({', '.join(p.name for p in found)}): continue that run "
                               "with --resume, or give this one its own --checkpoint.dir")
+    resume_path = checkpoint.resume_from(run_dir, cfg.checkpoint.verify_checksums) if cfg.checkpoint.resume else None
+    if resume_path and checkpoint.step_of(resume_path) >= t.steps:
+        if rank == 0:
+            print(f"{resume_path} is the end of this run (train.steps={t.steps}): nothing to train; raise "
+                  f"--train.steps to continue it")
+        checkpoint.unlock_run_dir(run_dir)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return
+    with torch.device("meta"):  # parameter count only: nothing is allocated
+        n_params = sum(p.numel() for p in Transformer(mcfg).parameters())
+    checkpoint.check_free_space(run_dir, checkpoint.estimated_bytes(n_params, t.optimizer_state_dtype))
     loader = PackedLoader(cfg.data.path, "train", t.seq_len, rank, world, seed=t.seed)
     if t.val_every:
         PackedLoader(cfg.data.path, "val", t.seq_len)  # fail now, not at the first validation
@@ -197,33 +211,39 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = build_optimizer(model, t, device)
 
     start_step = 0
-    if found:  # and resuming (checked above)
-        state = checkpoint.load(found[-1], model, optimizer, {"step": 0, "data": loader.state_dict()})
+    unconfirmed: list[int] = []  # saved checkpoints whose next step has not been seen healthy yet
+    if resume_path:
+        state = checkpoint.load(resume_path, model, optimizer, {"step": 0, "data": loader.state_dict()})
         start_step = state["step"]
         loader.load_state_dict(state["data"])
+        if not checkpoint.is_confirmed(resume_path):  # the last run crashed right after saving it
+            unconfirmed.append(start_step)
         if rank == 0:
-            print(f"resumed from {found[-1]} at step {start_step}")
+            print(f"resumed from {resume_path} at step {start_step}")
     elif cfg.checkpoint.init_from:
         checkpoint.load_weights(cfg.checkpoint.init_from, model)
 
     logger = MetricsLogger(str(run_dir), asdict(cfg), enabled=rank == 0, use_wandb=cfg.log.wandb,
-                           project=cfg.log.project, run_name=cfg.log.run_name, total_steps=t.steps)
+                           project=cfg.log.project, run_name=cfg.log.run_name, total_steps=t.steps,
+                           start_step=start_step)
     flops = flops_per_token(mcfg, t.seq_len)
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     pending: list[tuple[int, torch.Tensor]] = []  # (step, [main, mtp, bal, gnorm] on device): no sync yet
-    last_good = start_step
+    guard = DivergenceGuard(t.loss_spike_factor, t.grad_norm_spike_factor)
     clock, tokens_since = time.perf_counter(), 0
 
     def flush() -> list[float] | None:
-        """One host sync for all steps since the last: stop on the first non-finite loss; the last step's values."""
-        nonlocal last_good
+        """One host sync for all steps since the last: stop on the first non-finite or spiking loss or grad norm,
+        confirm the checkpoints the healthy steps vouch for; the last step's values."""
         values = torch.stack([v for _, v in pending]).tolist() if pending else []
         for (step, _), row in zip(pending, values):
-            for name, value in zip(("loss", "mtp_loss", "balance_loss", "grad_norm"), row):
-                if not math.isfinite(value):
-                    raise FloatingPointError(f"{name} is {value} at step {step}; the last good checkpoint "
-                                             f"is kept untouched (last finite step: {last_good})")
-            last_good = step
+            problem = guard.check(step, dict(zip(("loss", "mtp_loss", "balance_loss", "grad_norm"), row)))
+            if problem:  # the weights after step s-1 produced step s's values: only those up to s-2 are vouched for
+                kept = checkpoint.discard_after(run_dir, step - 2)
+                raise FloatingPointError(f"{problem}; newer checkpoints were moved aside (*.diverged), the newest "
+                                         f"left is {kept or 'none'}: --resume from it, e.g. with a lower --train.lr")
+            while unconfirmed and unconfirmed[0] < step:
+                checkpoint.confirm(run_dir, unconfirmed.pop(0), cfg.checkpoint.keep)
         pending.clear()
         return values[-1] if values else None
 
@@ -260,11 +280,15 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == t.steps):
             flush()  # never save over the last good checkpoint with a diverged model
             checkpoint.save(run_dir, step, model, optimizer, {"step": step, "data": loader.state_dict()},
-                            cfg.checkpoint.keep)
+                            cfg.checkpoint.keep, cfg.checkpoint.verify_checksums)
+            unconfirmed.append(step)
         clock += time.perf_counter() - paused
+    for step in unconfirmed:  # the last update has no next step to judge it; its own grad norm was judged
+        checkpoint.confirm(run_dir, step, cfg.checkpoint.keep)
     if cfg.checkpoint.export:
         checkpoint.export(run_dir / "export", model, mcfg)
     logger.close()
+    checkpoint.unlock_run_dir(run_dir)
     deepep.close()  # DeepEP's buffer, if any: before the process group goes
     if dist.is_initialized():
         dist.barrier()  # no rank tears the group down while another still talks to it

@@ -1,14 +1,26 @@
 """Training checkpoints with torch.distributed.checkpoint (sharded, reshardable: save at world 4, resume
-at 2 or 1) and the final safetensors export, written by every rank. A checkpoint is written to `step-N.tmp/`
-and renamed to `step-N/` only when complete, so a crash mid-save never touches the last good one."""
+at 2 or 1) and the final safetensors export, written by every rank. A checkpoint is written to `step-N.tmp/` and renamed to
+`step-N/` only when complete, so a crash mid-save never touches the last good one.
+
+The run directory is guarded too: one run at a time holds it (`lock_run_dir`), every checkpoint carries a
+manifest of its files' sizes and checksums that resume verifies (`resume_from` falls back to an older one when a
+file is damaged), and a checkpoint stays *unconfirmed* until the step after it trained healthily (`confirm`):
+the weights an exploding update produced show only in the next step's loss, so `discard_after` moves the
+unconfirmed ones aside when the run diverges and rotation never deletes the newest confirmed one."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import os
 import re
 import shutil
+import socket
+import sys
+import zlib
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -21,10 +33,14 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import (consolidat
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from dsv3.config import ModelConfig
+from dsv3.config import ModelConfig, UserError
 from dsv3.hf import save_config
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+MANIFEST = "manifest.json"  # {"files": {name: {"size": bytes, "crc32": int}}}, written last inside step-N.tmp
+UNCONFIRMED = "unconfirmed"  # marker: the step after this checkpoint has not been seen healthy yet
+_CHUNK = 16 << 20
+_held_locks: dict[Path, IO] = {}
 
 
 def _rank() -> int:
@@ -45,10 +61,16 @@ def checkpoints(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def step_of(path: Path) -> int:
+    """The step of checkpoint `path` (`step-N`)."""
+    return int(path.name.split("-")[1])
+
+
 def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-         train_state: dict[str, Any], keep: int) -> Path:
+         train_state: dict[str, Any], keep: int, checksums: bool = True) -> Path:
     """Model (expert biases included: they are buffers), optimizer, `train_state` (step, data-loader
-    position, ...) and every rank's RNG state as `run_dir/step-{step}`; keeps the newest `keep`."""
+    position, ...) and every rank's RNG state as `run_dir/step-{step}`, with its manifest, unconfirmed;
+    keeps the newest `keep` (and the newest confirmed one)."""
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step-{step}", run_dir / f"step-{step}.tmp"
     if _rank() == 0:
@@ -56,16 +78,209 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
     _barrier()
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
              "train": train_state}
-    dcp.save(state, checkpoint_id=str(tmp))
-    torch.save(_rng_state(), tmp / f"rng-{_rank()}.pt")  # per rank: DCP keeps one copy of a plain tensor
-    _barrier()
-    if _rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in checkpoints(run_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+    try:
+        dcp.save(state, checkpoint_id=str(tmp))
+        torch.save(_rng_state(), tmp / f"rng-{_rank()}.pt")  # per rank: DCP keeps one copy of a plain tensor
+        _barrier()
+        manifest = _describe(tmp, checksums)  # every rank hashes a share of the files
+        if _rank() == 0:
+            _write_json(tmp / MANIFEST, {"files": manifest})
+            (tmp / UNCONFIRMED).touch()
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            _rotate(run_dir, keep)
+    except Exception as e:
+        # DCP and torch.save may wrap the OS error in their own (torch.save: "enforce fail at inline_container")
+        disk_full = getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e)
+        if disk_full or shutil.disk_usage(run_dir).free < _CHUNK:
+            previous = [p.name for p in checkpoints(run_dir) if p != final]
+            raise OSError(errno.ENOSPC, f"No space left on device while writing checkpoint {tmp}: free space "
+                          f"there, then --resume (the last complete checkpoint, "
+                          f"{previous[-1] if previous else 'none'}, is untouched)") from e
+        raise
     _barrier()
     return final
+
+
+def confirm(run_dir: str | Path, step: int, keep: int) -> None:
+    """Mark step-{step} healthy (the step after it trained with a sane loss) and rotate."""
+    if _rank() == 0:
+        (Path(run_dir) / f"step-{step}" / UNCONFIRMED).unlink(missing_ok=True)
+        _rotate(Path(run_dir), keep)
+
+
+def is_confirmed(path: Path) -> bool:
+    return not (path / UNCONFIRMED).exists()
+
+
+def discard_after(run_dir: str | Path, step: int) -> Path | None:
+    """After a divergence: move every checkpoint newer than `step` aside (as `step-N.diverged`, kept for
+    inspection) so that `--resume` loads weights from before it; returns the newest one left."""
+    run_dir = Path(run_dir)
+    if _rank() == 0:
+        for path in checkpoints(run_dir):
+            if step_of(path) > step:
+                shutil.rmtree(path.with_name(path.name + ".diverged"), ignore_errors=True)
+                os.replace(path, path.with_name(path.name + ".diverged"))
+    _barrier()
+    kept = checkpoints(run_dir)
+    return kept[-1] if kept else None
+
+
+def _rotate(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints, never the newest confirmed one."""
+    found = checkpoints(run_dir)
+    confirmed = [p for p in found if is_confirmed(p)]
+    for old in found[:-keep] if keep > 0 else []:
+        if not confirmed or old != confirmed[-1]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.with_suffix(".tmp").write_text(json.dumps(value, indent=1))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def _file_crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _describe(directory: Path, checksums: bool) -> dict[str, dict[str, int]]:
+    """{name: {size, crc32}} of every file in `directory` (except the manifest and the marker); the files are
+    hashed in shares, one per rank, and gathered on every rank."""
+    names = sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
+                   if p.is_file() and p.name not in (MANIFEST, UNCONFIRMED))
+    mine = {}
+    for name in names[_rank()::dist.get_world_size() if dist.is_initialized() else 1]:
+        mine[name] = {"size": (directory / name).stat().st_size}
+        if checksums:
+            mine[name]["crc32"] = _file_crc32(directory / name)
+    return {name: entry for share in _gather(mine) for name, entry in share.items()}
+
+
+def _gather(value: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def verify(path: Path, checksums: bool = True) -> str | None:
+    """What is wrong with checkpoint `path` (a missing, truncated or altered file), or None when its files match
+    its manifest: sizes always, crc32 too when `checksums`. Every rank checks a share of the files."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"{path / MANIFEST} is missing or unreadable ({e})"
+    names = sorted(manifest)
+    problems = []
+    for name in names[_rank()::dist.get_world_size() if dist.is_initialized() else 1]:
+        file, expected = path / name, manifest[name]
+        if not file.is_file():
+            problems.append(f"{file} is missing")
+        elif file.stat().st_size != expected["size"]:
+            problems.append(f"{file} has {file.stat().st_size} bytes, the manifest says {expected['size']}")
+        elif checksums and "crc32" in expected and _file_crc32(file) != expected["crc32"]:
+            problems.append(f"{file} does not match its checksum (its bytes were altered)")
+    problems = sorted(p for share in _gather(problems) for p in share)
+    return "; ".join(problems) or None
+
+
+def resume_from(run_dir: str | Path, checksums: bool = True) -> Path:
+    """The newest checkpoint in `run_dir` whose files match its manifest. A damaged one is renamed to
+    `step-N.corrupt` with a warning and the next older one is tried; none at all is a UserError that says what
+    the directory holds (a mistyped checkpoint.dir must not quietly start a new run)."""
+    run_dir = Path(run_dir)
+    found = checkpoints(run_dir)
+    if not found:
+        if not run_dir.is_dir():
+            holds = "does not exist"
+        else:
+            names = sorted(p.name for p in run_dir.iterdir() if p.name != "lock")
+            holds = f"holds {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}" if names else "is empty"
+        raise UserError(f"--resume: checkpoint.dir={run_dir} {holds}, no complete checkpoint (step-N/) to resume "
+                        f"from: check the path, or drop --resume to start a new run")
+    for path in reversed(found):
+        problem = verify(path, checksums)
+        if problem is None:
+            return path
+        if _rank() == 0:
+            print(f"warning: checkpoint {path} is damaged: {problem}; moved aside as {path.name}.corrupt, "
+                  f"trying the previous one", file=sys.stderr, flush=True)
+            shutil.rmtree(path.with_name(path.name + ".corrupt"), ignore_errors=True)
+            os.replace(path, path.with_name(path.name + ".corrupt"))
+        _barrier()
+    raise UserError(f"--resume: no checkpoint in checkpoint.dir={run_dir} is intact (each one is now *.corrupt): "
+                    f"restore one from a backup, or drop --resume to start a new run")
+
+
+def lock_run_dir(run_dir: str | Path, create: bool = True) -> None:
+    """Hold an OS lock on `run_dir/lock` (rank 0; the OS drops it when the process dies) for this run's life:
+    a second run on the same directory is refused with the holder's pid and host, on every rank. create=False
+    (resuming) leaves a missing directory missing, for `resume_from` to report."""
+    run_dir = Path(run_dir).resolve()
+    problem = None
+    if _rank() == 0 and (create or run_dir.is_dir()):
+        stale = _held_locks.pop(run_dir, None)  # an earlier run in this process that ended by an exception
+        if stale is not None:
+            stale.close()
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock = open(run_dir / "lock", "a+")
+        except OSError as e:
+            problem = f"checkpoint.dir={run_dir} cannot be written ({e.strerror}): choose a writable --checkpoint.dir"
+        else:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                holder = lock.read().split() or ["?", "?"]
+                lock.close()
+                problem = (f"checkpoint.dir={run_dir} is in use by another run (pid {holder[0]} on host "
+                           f"{holder[-1]}): wait for it to end, or give this run its own --checkpoint.dir")
+            else:
+                lock.truncate(0)
+                lock.write(f"{os.getpid()} {socket.gethostname()}\n")
+                lock.flush()
+                _held_locks[run_dir] = lock
+    if dist.is_initialized():  # every rank stops, or none: a lone rank 0 exit would hang the others
+        shared = [problem]
+        dist.broadcast_object_list(shared, src=0)
+        problem = shared[0]
+    if problem:
+        raise UserError(problem)
+
+
+def unlock_run_dir(run_dir: str | Path) -> None:
+    lock = _held_locks.pop(Path(run_dir).resolve(), None)
+    if lock is not None:
+        lock.close()
+
+
+def estimated_bytes(n_params: int, optimizer_state_dtype: str) -> int:
+    """One checkpoint's size: fp32 weights and AdamW's two moments per parameter."""
+    return n_params * (4 + 2 * (2 if optimizer_state_dtype == "bf16" else 4))
+
+
+def check_free_space(run_dir: str | Path, checkpoint_bytes: int) -> None:
+    """Refuse to start when `run_dir` is not writable or cannot hold one more checkpoint."""
+    run_dir = Path(run_dir)
+    probe = run_dir / f".write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"checkpoint.dir={run_dir} is not writable ({e.strerror}): choose another "
+                        f"--checkpoint.dir") from e
+    free = shutil.disk_usage(run_dir).free
+    if free < checkpoint_bytes:
+        raise UserError(f"checkpoint.dir={run_dir} has {free / 2**30:.1f} GiB free but one checkpoint needs about "
+                        f"{checkpoint_bytes / 2**30:.1f} GiB: free space, or choose another --checkpoint.dir")
 
 
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,

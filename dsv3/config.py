@@ -149,6 +149,8 @@ class TrainConfig:
     precision_skip: list[str] = field(default_factory=list)  # dense linears whose name contains one stay bf16
     compile: bool = False  # torch.compile each block
     activation_checkpoint: str = "none"  # none | full | selective
+    loss_spike_factor: float = 3.0  # stop when the loss exceeds this × its running mean (0: off)
+    grad_norm_spike_factor: float = 100.0  # the same for the grad norm (benign early spikes reach ~10×)
     val_every: int = 100
     val_batches: int = 8
     seed: int = 0
@@ -177,6 +179,7 @@ class CheckpointConfig:
     every: int = 1000  # save every N steps and at the end; 0: never (benchmarks)
     keep: int = 3  # the newest N checkpoints; 0: all
     resume: bool = False
+    verify_checksums: bool = True  # on resume, checksum every file (sizes are always checked); off for huge runs
     export: bool = True  # safetensors + config.json at the end
     init_from: str = ""  # start from these weights: a dsv3 safetensors dir (an export, or convert_hf.py --to-dsv3)
 
@@ -313,5 +316,8 @@ def validate(cfg: Config) -> None:
                          f"({t.micro_batch})")
     if t.batch_ramp_steps and not 0 < t.batch_ramp_start <= t.global_batch:
         raise ValueError("train.batch_ramp_start must be in (0, train.global_batch] when batch_ramp_steps > 0")
+    for name in ("loss_spike_factor", "grad_norm_spike_factor"):
+        if getattr(t, name) and getattr(t, name) <= 1:
+            raise ValueError(f"train.{name} must be 0 (off) or > 1, got {getattr(t, name)}")
     if cfg.parallel.ep < 1:
         raise ValueError(f"parallel.ep must be >= 1, got {cfg.parallel.ep}")

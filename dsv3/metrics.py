@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import netrc
 import os
 import time
@@ -156,21 +157,67 @@ def _console_line(step: int, m: dict[str, float], total_steps: int | None, eta_s
     return " | ".join(parts)
 
 
+def _rewind(path: str, start_step: int) -> float:
+    """Drop the rows of metrics.jsonl after `start_step` (atomically); returns the last kept row's elapsed_s."""
+    if not os.path.exists(path):
+        return 0.0
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+    return json.loads(kept[-1]).get("elapsed_s", 0.0) if kept else 0.0
+
+
+class DivergenceGuard:
+    """Stops a run whose loss or gradient norm jumps to more than its factor × its running mean (an exponential
+    moving average over the healthy steps seen, judged once `warmup` of them are in); a factor 0 turns that
+    check off. A NaN or inf in any value always stops it."""
+
+    def __init__(self, loss_factor: float, grad_norm_factor: float, warmup: int = 5, decay: float = 0.9):
+        self.factors = {"loss": loss_factor, "grad_norm": grad_norm_factor}
+        self.warmup, self.decay = warmup, decay
+        self.seen = 0
+        self.means: dict[str, float] = {}
+
+    def check(self, step: int, values: dict[str, float]) -> str | None:
+        """Why `values` of `step` are unhealthy, or None (then they join the running means)."""
+        for name, value in values.items():
+            if not math.isfinite(value):
+                return f"{name} is {value} at step {step}"
+        if self.seen >= self.warmup:
+            for name, factor in self.factors.items():
+                if factor and values[name] > factor * self.means[name]:
+                    return (f"{name} spiked to {values[name]:.4g} at step {step}, over "
+                            f"train.{name}_spike_factor={factor:g} × its running mean {self.means[name]:.4g}")
+        for name in self.factors:
+            mean = self.means.get(name, values[name])
+            self.means[name] = self.decay * mean + (1 - self.decay) * values[name]
+        self.seen += 1
+        return None
+
+
 class MetricsLogger:
     """Appends one JSON line per `log` to run_dir/metrics.jsonl, prints one console line, logs to W&B
-    when use_wandb. enabled=False (non-zero ranks) makes every method a no-op. The ETA uses the step
-    rate between the last two `log` calls, so the first call shows none."""
+    when use_wandb. enabled=False (non-zero ranks) makes every method a no-op.
+
+    metrics.jsonl is first rewound to `start_step` (a resumed run drops the rows it is about to redo); every row
+    carries `time` (Unix seconds) and `elapsed_s` (wall time since the run's first row, across resumes). The ETA
+    uses the average step rate since the first `log` call, so the first call shows none."""
 
     def __init__(self, run_dir: str, config: dict, enabled: bool = True, use_wandb: bool = False,
-                 project: str = "dsv3", run_name: str = "", total_steps: int | None = None):
+                 project: str = "dsv3", run_name: str = "", total_steps: int | None = None, start_step: int = 0):
         self.enabled = enabled
         self.total_steps = total_steps
-        self._last: tuple[int, float] | None = None  # (step, time) of the previous log call
+        self._first: tuple[int, float] | None = None  # (step, time) of the first log call
         self._wandb = None
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        path = os.path.join(run_dir, "metrics.jsonl")
+        self._elapsed_before = _rewind(path, start_step)
+        self._started = time.perf_counter()
+        self._jsonl = open(path, "a")
         if use_wandb:
             try:
                 import wandb  # imported here: runs without W&B must not need it installed
@@ -188,12 +235,14 @@ class MetricsLogger:
             return
         now = time.perf_counter()
         eta_s = None
-        if self.total_steps and self._last is not None and step > self._last[0]:
-            last_step, last_time = self._last
-            eta_s = max(self.total_steps - step, 0) * (now - last_time) / (step - last_step)
-        self._last = (step, now)
+        if self._first is None:
+            self._first = (step, now)
+        elif self.total_steps and step > self._first[0]:
+            first_step, first_time = self._first
+            eta_s = max(self.total_steps - step, 0) * (now - first_time) / (step - first_step)
         values = {key: float(value) for key, value in metrics.items()}
-        self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
+        stamps = {"time": round(time.time(), 3), "elapsed_s": round(self._elapsed_before + now - self._started, 3)}
+        self._jsonl.write(json.dumps({"step": step, **values, **stamps}) + "\n")
         self._jsonl.flush()  # readable while training runs, and complete up to a crash
         print(_console_line(step, values, self.total_steps, eta_s), flush=True)
         if self._wandb is not None:

@@ -1,19 +1,26 @@
 """Resharded resume on real gloo process groups: a checkpoint written by 4 ranks (FSDP2 + expert
 parallelism over 2) resumes at world 2 and world 1 and continues the 4-rank run loss for loss; RNG streams
-come back at the same world size."""
+come back at the same world size. Then the run directory's safeguards: manifests, verification and fallback,
+confirmation-aware rotation, a full disk, and the one-run-per-directory lock."""
 
+import errno
 import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import train
 from dsv3 import checkpoint
-from dsv3.config import ModelConfig, TrainConfig
+from dsv3.config import ModelConfig, TrainConfig, UserError
 from dsv3.model import Transformer
 from conftest import free_port, load_export, torchrun_env, read_metrics
 
@@ -122,3 +129,134 @@ def test_export_written_by_two_ranks_holds_the_full_model(tmp_path):
     for name, value in trained.state_dict().items():
         torch.testing.assert_close(exported.state_dict()[name], value, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(imported.state_dict()[name], value, rtol=0, atol=0, msg=name)
+# --- the run directory: manifest and verification, confirmation and rotation, the lock ------------------------
+
+def _save_linear(run_dir: Path, step: int, keep: int = 0, checksums: bool = True) -> Path:
+    torch.manual_seed(step)
+    model = torch.nn.Linear(64, 64)
+    return checkpoint.save(run_dir, step, model, torch.optim.AdamW(model.parameters()), {"step": step}, keep,
+                           checksums)
+
+
+def _largest_shard(path: Path) -> Path:
+    return max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+
+
+def test_every_checkpoint_carries_a_manifest_of_its_files(tmp_path):
+    saved = _save_linear(tmp_path, 1)
+    manifest = json.loads((saved / checkpoint.MANIFEST).read_text())["files"]
+    on_disk = {p.name for p in saved.iterdir()} - {checkpoint.MANIFEST, checkpoint.UNCONFIRMED}
+    assert set(manifest) == on_disk and ".metadata" in on_disk and "rng-0.pt" in on_disk
+    for name, entry in manifest.items():
+        assert entry["size"] == (saved / name).stat().st_size
+        assert entry["crc32"] == zlib.crc32((saved / name).read_bytes())
+    assert checkpoint.verify(saved) is None
+
+
+def test_a_truncated_shard_is_named_and_resume_falls_back_to_the_previous_checkpoint(tmp_path, capsys):
+    _save_linear(tmp_path, 1)
+    shard = _largest_shard(_save_linear(tmp_path, 2))
+    shard.write_bytes(shard.read_bytes()[:100])
+
+    assert checkpoint.resume_from(tmp_path) == tmp_path / "step-1"
+    warning = capsys.readouterr().err
+    assert f"warning: checkpoint {tmp_path / 'step-2'} is damaged: {shard} has 100 bytes" in warning
+    assert (tmp_path / "step-2.corrupt").is_dir()  # kept for inspection, no longer a checkpoint
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-1"]
+
+
+def test_overwritten_bytes_are_caught_by_the_checksum_unless_it_is_switched_off(tmp_path):
+    saved = _save_linear(tmp_path, 1)
+    shard = _largest_shard(saved)
+    data = bytearray(shard.read_bytes())
+    data[-64:] = bytes(64)  # other finite values (zeros), same size
+    shard.write_bytes(bytes(data))
+    assert checkpoint.verify(saved, checksums=False) is None  # sizes only: the cheap check for huge runs
+    assert checkpoint.verify(saved) == f"{shard} does not match its checksum (its bytes were altered)"
+    with pytest.raises(UserError, match=r"no checkpoint in checkpoint.dir=.* is intact"):
+        checkpoint.resume_from(tmp_path)
+
+
+@pytest.mark.parametrize("holds,message", [(None, "does not exist"), ([], "is empty"),
+                                           (["metrics.jsonl", "step-2.tmp"], "holds metrics.jsonl, step-2.tmp")])
+def test_resume_without_a_complete_checkpoint_names_the_directory_and_what_it_holds(tmp_path, holds, message):
+    run_dir = tmp_path / "run"
+    if holds is not None:
+        run_dir.mkdir()
+        for name in holds:
+            (run_dir / name).mkdir()
+    with pytest.raises(UserError, match=f"checkpoint.dir={run_dir} {message}, no complete checkpoint"):
+        checkpoint.resume_from(run_dir)
+
+
+def test_rotation_never_deletes_the_newest_confirmed_checkpoint(tmp_path):
+    _save_linear(tmp_path, 1, keep=1)
+    checkpoint.confirm(tmp_path, 1, keep=1)
+    _save_linear(tmp_path, 2, keep=1)  # unconfirmed: step 3 has not been seen healthy
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-1", "step-2"]
+    assert checkpoint.discard_after(tmp_path, 1) == tmp_path / "step-1"  # a divergence at step 3
+    assert (tmp_path / "step-2.diverged").is_dir()
+    _save_linear(tmp_path, 2, keep=1)
+    checkpoint.confirm(tmp_path, 2, keep=1)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-2"]
+
+
+def test_a_full_disk_during_a_save_names_the_path_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    _save_linear(tmp_path, 1)
+
+    def full_disk(state, checkpoint_id):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoint.dcp, "save", full_disk)
+    with pytest.raises(OSError, match=rf"No space left on device while writing checkpoint {tmp_path / 'step-2.tmp'}"
+                                      r".*the last complete checkpoint, step-1, is untouched"):
+        _save_linear(tmp_path, 2)
+    monkeypatch.undo()
+    assert checkpoint.resume_from(tmp_path) == tmp_path / "step-1"
+
+
+def test_a_run_directory_without_room_for_one_checkpoint_is_refused(tmp_path):
+    with pytest.raises(UserError, match="has .* GiB free but one checkpoint needs about"):
+        checkpoint.check_free_space(tmp_path, 1 << 60)
+    checkpoint.check_free_space(tmp_path, 1 << 10)
+
+
+_HOLD_LOCK = """
+import sys, time
+sys.path.insert(0, {root!r})
+from dsv3 import checkpoint
+from dsv3.config import UserError
+checkpoint.lock_run_dir({run_dir!r})
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def _lock_rank(rank: int, world: int, port: int, run_dir: Path, results: Path) -> None:
+    torchrun_env(rank, world, port)
+    dist.init_process_group("gloo")
+    try:
+        checkpoint.lock_run_dir(run_dir)
+        outcome = "locked"
+    except UserError as e:
+        outcome = str(e)
+    (results / f"rank-{rank}").write_text(outcome)
+    dist.destroy_process_group()
+
+
+def test_a_second_run_on_a_locked_directory_is_refused_on_every_rank_until_the_holder_dies(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK.format(root=str(ROOT), run_dir=str(tmp_path))],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        results = tmp_path / "results"
+        results.mkdir()
+        mp.spawn(_lock_rank, args=(2, free_port(), tmp_path, results), nprocs=2)
+        refusal = f"is in use by another run (pid {holder.pid} on host {socket.gethostname()})"
+        assert all(refusal in (results / f"rank-{r}").read_text() for r in range(2))
+    finally:
+        holder.kill()  # as kill -9: the OS releases its lock
+        holder.wait()
+    checkpoint.lock_run_dir(tmp_path)
+    assert (tmp_path / "lock").read_text() == f"{os.getpid()} {socket.gethostname()}\n"
+    checkpoint.unlock_run_dir(tmp_path)

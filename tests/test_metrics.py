@@ -5,12 +5,14 @@ import os
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from dsv3.config import FLAVORS
-from dsv3.metrics import (MetricsLogger, _wandb_mode, active_matmul_params, expert_load_stats, flops_per_token,
+from dsv3.metrics import (DivergenceGuard, MetricsLogger, _wandb_mode, active_matmul_params, expert_load_stats,
+                          flops_per_token,
                           mfu, peak_flops)
 from dsv3.model import Transformer
 
@@ -84,9 +86,53 @@ def test_log_appends_parseable_jsonl_lines(tmp_path):
     logger.log(10, {"loss": 5.5, "lr": 3e-4, "moe/load_max_over_mean": 1.7})
     logger.log(20, {"loss": torch.tensor(5.25)})
     logger.close()
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line) for line in lines] == [
-        {"step": 10, "loss": 5.5, "lr": 3e-4, "moe/load_max_over_mean": 1.7}, {"step": 20, "loss": 5.25}]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    stamps = [(row.pop("time"), row.pop("elapsed_s")) for row in rows]
+    assert rows == [{"step": 10, "loss": 5.5, "lr": 3e-4, "moe/load_max_over_mean": 1.7}, {"step": 20, "loss": 5.25}]
+    assert all(abs(wall - time.time()) < 60 and 0 <= elapsed < 60 for wall, elapsed in stamps)
+    assert stamps[0][1] <= stamps[1][1]
+
+
+def test_a_resumed_run_rewinds_metrics_jsonl_and_continues_its_elapsed_time(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0, "elapsed_s": 100.0 * s}) + "\n"
+                                                    for s in range(1, 6)))  # a run that crashed after step 5
+    logger = MetricsLogger(str(tmp_path), {}, total_steps=10, start_step=2)  # resumed from step-2
+    logger.log(3, {"loss": 0.5})
+    logger.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert 200 <= rows[-1]["elapsed_s"] < 260
+
+
+def test_eta_uses_the_average_rate_since_the_first_log_call(tmp_path, capsys, monkeypatch):
+    clock = iter([0.0, 0.0, 10.0, 11.0, 100.0])  # the logger's start, then steps 10, 20, 30 and 40
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    logger = MetricsLogger(str(tmp_path), {}, total_steps=100)
+    for step in (10, 20, 30, 40):
+        logger.log(step, {"loss": 1.0})
+    etas = [line.split("eta ")[-1] for line in capsys.readouterr().out.splitlines()[1:]]
+    # 10 s, 11 s, then 100 s since step 10: 1, 0.55, then 3.33 s a step for the remaining 80, 70, 60 steps
+    assert etas == ["0:01:20", "0:00:38", "0:03:20"]
+
+
+def test_divergence_guard_stops_on_a_spike_against_the_running_mean_or_a_nan():
+    guard = DivergenceGuard(loss_factor=3, grad_norm_factor=10, warmup=3)
+    healthy = [{"loss": 8.0 - 0.1 * s, "grad_norm": 1.0 + 0.5 * (s % 2)} for s in range(6)]
+    assert all(guard.check(step, values) is None for step, values in enumerate(healthy))
+    assert guard.check(6, {"loss": 7.5, "grad_norm": 9.0}) is None  # an early-training gnorm blip is no stop
+    mean = guard.means["grad_norm"]
+    assert guard.check(7, {"loss": 7.5, "grad_norm": 30.0}) == (
+        f"grad_norm spiked to 30 at step 7, over train.grad_norm_spike_factor=10 × its running mean {mean:.4g}")
+    loss_mean = guard.means["loss"]
+    assert guard.check(7, {"loss": 30.0, "grad_norm": 1.0}) == (
+        f"loss spiked to 30 at step 7, over train.loss_spike_factor=3 × its running mean {loss_mean:.4g}")
+    assert guard.check(7, {"loss": 7.5, "grad_norm": 1.0, "mtp_loss": float("nan")}) == "mtp_loss is nan at step 7"
+    off = DivergenceGuard(loss_factor=0, grad_norm_factor=0, warmup=0)
+    assert off.check(1, {"loss": 1.0, "grad_norm": 1.0}) is None
+    assert off.check(2, {"loss": 1e9, "grad_norm": 1e9}) is None
+    early = DivergenceGuard(loss_factor=3, grad_norm_factor=10, warmup=3)  # not judged before `warmup` steps
+    assert early.check(1, {"loss": 8.0, "grad_norm": 1.0}) is None
+    assert early.check(2, {"loss": 800.0, "grad_norm": 1.0}) is None
 
 
 def test_console_line_shows_the_logged_values(tmp_path, capsys):

@@ -2,6 +2,8 @@
 crash mid-save, stops on a non-finite loss before checkpointing, refuses bad input before building a model,
 and exports a model that loads on its own; plus its schedules and gradient accumulation."""
 
+import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -14,7 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import train
 from dsv3 import checkpoint
-from dsv3.config import FLAVORS, Config, DataConfig, ModelConfig, TrainConfig
+from dsv3.config import FLAVORS, Config, DataConfig, ModelConfig, TrainConfig, UserError
 from dsv3.model import Transformer
 from conftest import load_export, read_metrics
 
@@ -160,10 +162,10 @@ def test_resume_continues_exactly(data, tmp_path, monkeypatch, state_dtype):
 
     assert sorted(resumed) == sorted(straight) == list(range(1, 9))
     assert [straight[s]["global_batch"] for s in range(1, 9)] == [2, 2, 4, 4, 4, 4, 4, 4]
-    for step in range(1, 9):  # every loss, lr, grad norm, expert load and bias stat; only the speed differs
-        assert resumed[step].keys() == straight[step].keys()
+    for step in range(1, 9):  # every loss, lr, grad norm, expert load and bias stat; only the speed
+        assert resumed[step].keys() == straight[step].keys()  # and the wall clock differ
         for key, value in straight[step].items():
-            if not key.startswith("tokens_per_s"):
+            if not key.startswith("tokens_per_s") and key not in ("time", "elapsed_s"):
                 assert resumed[step][key] == value, (step, key)
     final = load_export(tmp_path / "resumed" / "export")
     for name, value in load_export(tmp_path / "straight" / "export").items():
@@ -214,21 +216,66 @@ def test_crash_mid_save_keeps_previous_checkpoint(data, tmp_path, monkeypatch, f
 
 
 @pytest.mark.parametrize("log_every", [1, 100], ids=["logged-every-step", "found-at-checkpoint"])
-def test_nan_loss_stops_before_any_later_checkpoint(data, tmp_path, monkeypatch, log_every):
+def test_nan_loss_stops_the_run_and_leaves_only_checkpoints_from_before_it(data, tmp_path, monkeypatch, log_every):
     def poison(model: Transformer) -> None:
         with torch.no_grad():
             model.embed.weight.fill_(float("nan"))
 
     args = [*TINY, "--train.steps=6", "--checkpoint.every=2"]
-    stop_at(monkeypatch, 3, poison)
-    # log.every=100 defers the host sync: the check before step 4's save must still catch step 3
-    with pytest.raises(FloatingPointError, match=r"^loss is nan at step 3;.*last finite step: 2\)"):
+    stop_at(monkeypatch, 5, poison)  # as if step 4's update had produced these weights
+    # log.every=100 defers the host sync: the check before step 6's save must still catch step 5
+    with pytest.raises(FloatingPointError, match=rf"^loss is nan at step 5; .* newest left is {tmp_path / 'step-2'}"):
         run(tmp_path, *args, f"--log.every={log_every}")
     monkeypatch.undo()
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == ["step-2"]
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-2"]  # step 3 vouched for it, not step 4
+    assert (tmp_path / "step-4.diverged").is_dir()
 
     resumed = run(tmp_path, *args, "--resume")  # the step-2 checkpoint is intact
+    logged = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1 if log_every == 1 else 3, 7))  # rewound to step 2: no step twice
     assert all(math.isfinite(resumed[step]["loss"]) for step in range(3, 7))
+
+
+def test_an_exploding_update_is_caught_before_its_weights_become_the_checkpoint_to_resume(data, tmp_path,
+                                                                                          monkeypatch):
+    """Step 6's update explodes the weights (finite, but huge) and step-6 is saved with them; only step 7's loss
+    shows it. The run stops there, and what --resume loads is step-4, from before the divergence."""
+    real_step = train.train_step
+
+    def exploding_step(model, optimizer, batch, t, step):
+        if step == 6:
+            for group in optimizer.param_groups:
+                group["lr"] = 30.0
+        return real_step(model, optimizer, batch, t, step)
+
+    monkeypatch.setattr(train, "train_step", exploding_step)
+    args = [*TINY, "--train.steps=8", "--checkpoint.every=2", "--checkpoint.keep=1"]
+    with pytest.raises(FloatingPointError, match=r"^loss spiked to .* at step 7, over train.loss_spike_factor=3 × "
+                                                 rf"its running mean .* the newest left is {tmp_path / 'step-4'}:"):
+        run(tmp_path, *args)
+    monkeypatch.undo()
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-4"]  # keep=1 kept the confirmed one
+    exploded = Transformer(dataclasses.replace(FLAVORS["debug"], n_layers=2))
+    checkpoint.load(tmp_path / "step-6.diverged", exploded, train.build_optimizer(exploded, TrainConfig(),
+                                                                                   torch.device("cpu")), {"step": 0})
+    assert exploded.embed.weight.abs().max() > 10  # finite but exploded: what the old guard saved
+
+    resumed = run(tmp_path, *args, "--resume")
+    assert all(resumed[step]["loss"] < math.log(4096) + 0.1 for step in range(5, 9))
+
+
+def test_resume_on_a_finished_run_says_so_and_trains_nothing(data, tmp_path, monkeypatch, capsys):
+    run(tmp_path, *TINY, "--train.steps=1", "--checkpoint.every=1")
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    capsys.readouterr()
+    run(tmp_path, *TINY, "--train.steps=1", "--checkpoint.every=1", "--resume")
+    assert f"{tmp_path / 'step-1'} is the end of this run (train.steps=1): nothing to train" in capsys.readouterr().out
+
+
+def test_resume_with_no_checkpoint_is_an_error_not_a_fresh_start(data, tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(UserError, match=rf"--resume: checkpoint.dir={tmp_path / 'typo'} does not exist"):
+        run(tmp_path / "typo", *TINY, "--resume")
 
 
 # --- bad input fails fast, with a message that says what to change ----------------------------------
@@ -249,8 +296,10 @@ def test_nan_loss_stops_before_any_later_checkpoint(data, tmp_path, monkeypatch,
     (["--checkpoint.init_from=/nonexistent/weights"], FileNotFoundError, r"holds no \*.safetensors"),
     (["--log.every=0"], ValueError, "log.every must be >= 1, got 0"),
     (["--train.val_batches=0"], ValueError, "train.val_batches must be >= 1, got 0"),
+    (["--train.loss_spike_factor=0.5"], ValueError, r"train.loss_spike_factor must be 0 \(off\) or > 1, got 0\.5"),
+    (["--checkpoint.dir=/dev/null/run"], UserError, "checkpoint.dir=/dev/null/run cannot be written"),
 ], ids=["flavor", "key", "model-key", "no-value", "no-dashes", "type", "data", "vocab", "batch", "seq-len",
-        "ep", "init-from", "log-every", "val-batches"])
+        "ep", "init-from", "log-every", "val-batches", "spike-factor", "unwritable-dir"])
 def test_bad_input_is_a_clear_error_before_the_model_is_built(data, tmp_path, monkeypatch, overrides, error,
                                                                 message):
     def build_model(*args, **kwargs):
@@ -270,6 +319,18 @@ def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(data, 
     with pytest.raises(FileExistsError, match=r"already holds checkpoints \(step-300\).*--resume"):
         run(tmp_path, *TINY, "--train.steps=2", "--checkpoint.every=2")
     assert (tmp_path / "step-300").is_dir()
+
+
+def test_a_second_run_on_a_live_runs_directory_is_refused_with_the_holders_pid_and_host(data, tmp_path,
+                                                                                        monkeypatch):
+    with open(tmp_path / "lock", "w") as live_run:  # as a run in another process holds it
+        live_run.write("4242 gpu-node-7\n")
+        live_run.flush()
+        fcntl.flock(live_run, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+        for resume in ([], ["--resume"]):
+            with pytest.raises(UserError, match=r"is in use by another run \(pid 4242 on host gpu-node-7\)"):
+                run(tmp_path, *TINY, *resume)
 
 
 # --- schedules ---------------------------------------------------------------------------------------
