@@ -171,6 +171,7 @@ class MetricsLogger:
             return
         os.makedirs(run_dir, exist_ok=True)
         self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self._expert_jsonl = open(os.path.join(run_dir, "expert_load.jsonl"), "a")
         if use_wandb:
             try:
                 import wandb  # imported here: runs without W&B must not need it installed
@@ -199,10 +200,28 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(values, step=step)
 
+    def log_expert_load(self, step: int, tokens_per_expert: torch.Tensor) -> None:
+        """Per-expert token counts [L, E] of one step (rows as in `expert_load_stats`) as one line of
+        expert_load.jsonl, the input of scripts/plot.py's heatmaps; the heatmap as an image to W&B."""
+        if not self.enabled or tokens_per_expert.numel() == 0:
+            return
+        counts = tokens_per_expert.detach().long().cpu().tolist()
+        self._expert_jsonl.write(json.dumps({"step": step, "tokens_per_expert": counts}) + "\n")
+        self._expert_jsonl.flush()
+        if self._wandb is not None:
+            import wandb
+            from matplotlib import pyplot as plt
+
+            from dsv3.plots import expert_load_figure
+            figure = expert_load_figure([(step, counts)])
+            self._wandb.log({"moe/expert_load": wandb.Image(figure)}, step=step)
+            plt.close(figure)
+
     def close(self) -> None:
         if not self.enabled:
             return
         self._jsonl.close()
+        self._expert_jsonl.close()
         if self._wandb is not None:
             self._wandb.finish()
         self.enabled = False
