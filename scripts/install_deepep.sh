@@ -26,6 +26,7 @@ while [[ $# -gt 0 ]]; do
     *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+src=$(realpath -m "$src")  # absolute: the build and the test below run inside it
 
 if [[ ! -d $src ]]; then
   echo "cloning $REPO_URL into $src"
