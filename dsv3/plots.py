@@ -22,10 +22,10 @@ Series = dict[str, tuple[list[int], list[float]]]  # run name -> (steps, values)
 def curves_figure(title: str, series_by_key: dict[str, Series], log_y: bool = False) -> Figure:
     """One axis, a line per (run, metric key): e.g. train and val loss of two runs."""
     figure, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
-    one_key = len(series_by_key) == 1
+    runs = {run for by_run in series_by_key.values() for run in by_run}
     for key, by_run in series_by_key.items():
         for run, (steps, values) in by_run.items():
-            label = run if one_key else f"{run} {key}"
+            label = key if len(runs) == 1 else run if len(series_by_key) == 1 else f"{run} {key}"
             ax.plot(steps, values, label=label, marker="o" if len(steps) < 30 else None, markersize=3)
     ax.set(title=title, xlabel="step")
     if log_y:
@@ -67,5 +67,8 @@ def expert_load_figure(snapshots: list[tuple[int, list[list[int]]]],
     if max_over_mean:
         steps, ratios = max_over_mean
         shown = _load_map(axes[0][-1], ratios, "max / mean load per layer", "step", steps, n_experts)
-    figure.colorbar(shown, ax=axes[0].tolist(), label="load / mean (1 = balanced)")
+    bar = figure.colorbar(shown, ax=axes[0].tolist(), label="load / mean (1 = balanced)")
+    powers = range(-math.ceil(math.log2(n_experts)), math.ceil(math.log2(n_experts)) + 1)
+    bar.set_ticks([2.0**p for p in powers], labels=[f"1/{2**-p}" if p < 0 else str(2**p) for p in powers])
+    bar.minorticks_off()
     return figure

@@ -335,3 +335,15 @@ def test_validation_scores_at_most_one_pass_over_the_split():
     loss = train.evaluate(model, cfg, 0, 1, torch.device("cpu"))
     assert len(seen) == 2 and not torch.equal(seen[0], seen[1])
     assert loss == pytest.approx(sum(losses) / 2, rel=1e-6)
+
+
+def test_plot_draws_a_real_run(learned, tmp_path):
+    from scripts.plot import plot_runs, read_jsonl
+
+    counts = read_jsonl(learned / "expert_load.jsonl")
+    assert list(counts) == [LEARN_STEPS]  # log.expert_load_every = 100 and the last step
+    tokens_per_expert = counts[LEARN_STEPS]["tokens_per_expert"]  # [MoE layers + MTP, E]: every routed token
+    cfg = ModelConfig(**json.loads((learned / "export" / "config.json").read_text()))
+    assert [sum(row) for row in tokens_per_expert] == [16 * 128 * cfg.n_activated_experts] * len(tokens_per_expert)
+    written = plot_runs([str(learned)], str(tmp_path))
+    assert {p.name for p in written} == {"loss.png", "lr.png", "grad_norm.png", "tokens_per_s.png", "expert_load.png"}
