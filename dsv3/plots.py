@@ -15,6 +15,7 @@ matplotlib.use("Agg")  # files only, no display: works on a headless node
 from matplotlib import pyplot as plt  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 Series = dict[str, tuple[list[int], list[float]]]  # run name -> (steps, values)
 
@@ -41,8 +42,10 @@ def _load_map(ax, image, title: str, xlabel: str, x_ticks: list | None, n_expert
     norm = LogNorm(vmin=1 / max(n_experts, 2), vmax=max(n_experts, 2))
     shown = ax.imshow(image, aspect="auto", interpolation="nearest", cmap="RdBu_r", norm=norm)
     ax.set(title=title, xlabel=xlabel, ylabel="MoE layer")
-    ax.set_yticks(range(len(image)))
-    if x_ticks is not None:
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # layer and expert numbers, at any count
+    if x_ticks is None:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    else:
         stride = max(1, len(x_ticks) // 12)
         ax.set_xticks(range(0, len(x_ticks), stride), [str(x) for x in x_ticks[::stride]])
     return shown
@@ -58,7 +61,7 @@ def expert_load_figure(snapshots: list[tuple[int, list[list[int]]]],
         n_experts = max(2, math.ceil(max(max(row) for row in max_over_mean[1])))
     panels = len(snapshots) + bool(max_over_mean)
     n_layers = len(snapshots[0][1]) if snapshots else len(max_over_mean[1])
-    figure, axes = plt.subplots(1, panels, figsize=(5.5 * panels + 1, 1.6 + 0.45 * n_layers),
+    figure, axes = plt.subplots(1, panels, figsize=(5.5 * panels + 1, min(1.6 + 0.45 * n_layers, 9)),
                                 layout="constrained", squeeze=False)
     for ax, (step, tokens_per_expert) in zip(axes[0], snapshots):
         relative = [[max(count * len(row) / max(sum(row), 1), 1 / n_experts) for count in row]  # idle: scale end
