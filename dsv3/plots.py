@@ -21,7 +21,8 @@ Series = dict[str, tuple[list[int], list[float]]]  # run name -> (steps, values)
 
 
 def curves_figure(title: str, series_by_key: dict[str, Series], log_y: bool = False) -> Figure:
-    """One axis, a line per (run, metric key): e.g. train and val loss of two runs."""
+    """One axis, a line per (run, metric key): e.g. train and val loss of two runs. log_y: a log axis when
+    the values span more than 20x (grad norm spikes)."""
     figure, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
     runs = {run for by_run in series_by_key.values() for run in by_run}
     for key, by_run in series_by_key.items():
@@ -29,7 +30,8 @@ def curves_figure(title: str, series_by_key: dict[str, Series], log_y: bool = Fa
             label = key if len(runs) == 1 else run if len(series_by_key) == 1 else f"{run} {key}"
             ax.plot(steps, values, label=label, marker="o" if len(steps) < 30 else None, markersize=3)
     ax.set(title=title, xlabel="step")
-    if log_y:
+    values = [v for by_run in series_by_key.values() for _, vs in by_run.values() for v in vs if v > 0]
+    if log_y and values and max(values) > 20 * min(values):  # over a narrow range a log axis only loses labels
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
@@ -129,6 +130,9 @@ def read_documents(path: Path, text_key: str = "text", column: str = "text",
             raise UserError(
                 f"{path} has no column {column!r} (columns: {parquet.schema_arrow.names}); choose one with --column."
             )
+        column_type = parquet.schema_arrow.field(column).type
+        if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+            raise UserError(f"{path}: column {column!r} holds {column_type}, not text; choose one with --column.")
         # Batches of rows, never the whole table: parquet corpora are often larger than RAM.
         for batch in parquet.iter_batches(batch_size=1024, columns=[column]):
             yield from batch.column(0).to_pylist()

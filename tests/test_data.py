@@ -170,6 +170,9 @@ def test_missing_jsonl_key_or_parquet_column_is_a_clear_error(tmp_path):
     pq.write_table(pa.table({"content": ["hello"]}), parquet)
     with pytest.raises(UserError, match="no column 'text'.*--column"):
         prepare([str(parquet)], TOKENIZER, str(tmp_path / "out"), progress=False)
+    pq.write_table(pa.table({"text": [1, 2]}), parquet)
+    with pytest.raises(UserError, match="column 'text' holds int64, not text"):
+        prepare([str(parquet)], TOKENIZER, str(tmp_path / "out"), progress=False)
 
 
 def test_uint16_shards_refuse_a_vocab_over_65535(tmp_path, monkeypatch):
