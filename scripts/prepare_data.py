@@ -260,7 +260,8 @@ def prepare(
 
 
 def swap_in(staging: Path, out: Path) -> None:
-    """Replace out by staging with renames: a reader sees the old dataset or the new one, never a mix."""
+    """Replace out by staging with two renames: a reader finds the old dataset or the new one, never a mix
+    (between the renames, for an instant, neither)."""
     retired = out.with_name(f"{out.name}.old-{os.getpid()}")
     if out.exists():
         out.rename(retired)
@@ -269,7 +270,9 @@ def swap_in(staging: Path, out: Path) -> None:
 
 
 def write_splits(documents: Iterator[str], tokenizer: Tokenizer, out: Path, dtype: str, val_fraction: float,
-                 shard_tokens: int, num_threads: int, progress: bool) -> dict[str, dict]:    # Doc 1, then every k-th: val is non-empty as soon as there are two documents, and train gets doc 0.
+                 shard_tokens: int, num_threads: int, progress: bool) -> dict[str, dict]:
+    """Tokenize documents into out/{train,val}; returns both indexes."""
+    # Doc 1, then every k-th: val is non-empty as soon as there are two documents, and train gets doc 0.
     val_every = round(1 / val_fraction) if val_fraction > 0 else 0
     writers = {split: ShardWriter(out / split, dtype, shard_tokens) for split in ("train", "val")}
     bar = tqdm(desc="tokenizing", unit="tok", unit_scale=True, disable=not progress)

@@ -17,7 +17,8 @@ def synthetic_run(run_dir: Path, collapse_until: int) -> None:
     logger = MetricsLogger(str(run_dir), {}, total_steps=40)
     for step in range(5, 45, 5):
         collapsed = step <= collapse_until
-        tokens_per_expert = torch.tensor([[400, 0, 0, 0], [0, 400, 0, 0]] if collapsed else [[100] * 4, [90, 110, 100, 100]])
+        load = [[400, 0, 0, 0], [0, 400, 0, 0]] if collapsed else [[100] * 4, [90, 110, 100, 100]]
+        tokens_per_expert = torch.tensor(load)  # [MoE layers, E]
         logger.log(step, {"loss": 8 - step / 10, "mtp_loss": 8.1 - step / 10, "lr": 1e-3, "grad_norm": 1 / step,
                           "tokens_per_s": 1000.0, "moe/layer0/load_max_over_mean": 4.0 if collapsed else 1.0,
                           "moe/layer1/load_max_over_mean": 4.0 if collapsed else 1.1})
