@@ -274,6 +274,8 @@ def main(argv: list[str] | None = None) -> None:
             metrics.update(memory_stats())
             metrics.update(expert_load_stats(tokens_per_expert, [r.expert_bias for r in model.routers()]))
             logger.log(step, metrics)
+        if cfg.log.expert_load_every and (step % cfg.log.expert_load_every == 0 or step == t.steps):
+            logger.log_expert_load(step, tokens_per_expert)
         paused = time.perf_counter()  # validation and saving are not training: keep them out of tokens/s
         if t.val_every and (step % t.val_every == 0 or step == t.steps):
             logger.log(step, {"val_loss": evaluate(model, cfg, rank, world, device)})

@@ -187,6 +187,9 @@ class CheckpointConfig:
 @dataclass
 class LogConfig:
     every: int = 10
+    # per-expert token counts [MoE layers, E] to expert_load.jsonl (and a heatmap to W&B) every N steps; 0: never.
+    # Not every log step: at 671B a line is 59 × 256 counts (58 MoE layers + MTP), ~100 KB
+    expert_load_every: int = 100
     wandb: bool = False
     project: str = "dsv3"
     run_name: str = ""

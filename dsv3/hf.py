@@ -15,14 +15,15 @@ import dataclasses
 import json
 import math
 import re
+import warnings
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from dsv3.config import ModelConfig
+from dsv3.config import ModelConfig, UserError
 from dsv3.model import Transformer
 
 # ours → HF, outside the blocks
@@ -148,7 +149,8 @@ def _check_supported(d: dict) -> None:
 
 def config_to_hf(cfg: ModelConfig) -> dict:
     """ModelConfig → an HF config.json dict. Sigmoid routing exports as deepseek_v3; softmax as deepseek_v2,
-    the transformers model with a softmax router (it ignores the expert bias and route_norm)."""
+    the transformers model with a softmax router (it has no expert bias and ignores route_norm: an export
+    checks `check_hf_represents` first)."""
     v3 = cfg.score_func == "sigmoid"
     d: dict[str, Any] = {
         "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
@@ -373,10 +375,32 @@ def state_dict_from_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
     return out
 
 
-def state_dict_to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig,
-                     fused_experts: bool = False) -> dict[str, torch.Tensor]:
-    """Our state dict → HF names: per-expert experts as on disk, or transformers-5 fused with fused_experts."""
+def check_hf_represents(cfg: ModelConfig, expert_biases: Iterable[torch.Tensor], allow_lossy: bool = False) -> None:
+    """Refuse (or, allow_lossy, warn about) an export whose HF model would compute something else: a softmax
+    router exports as deepseek_v2, which has no expert bias and never renormalises the top-k weights."""
+    if cfg.score_func != "softmax":
+        return
+    lost = []
+    if any(bool(b.any()) for b in expert_biases):
+        lost.append("a non-zero expert bias (the trained routing)")
+    if cfg.route_norm:
+        lost.append("route_norm (deepseek_v2 ignores norm_topk_prob)")
+    if not lost:
+        return
+    message = (f"HF's deepseek_v2, the transformers model for a softmax router, cannot represent {' and '.join(lost)}: "
+               "its logits would differ from this model's")
+    if not allow_lossy:
+        raise UserError(f"{message}. Pass --allow-lossy to export anyway, or train with "
+                        "--train.bias_update_speed=0 --model.route_norm=false (or a sigmoid router).")
+    warnings.warn(f"{message}; exporting anyway (--allow-lossy).", stacklevel=2)
+
+
+def state_dict_to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig, fused_experts: bool = False,
+                     allow_lossy: bool = False) -> dict[str, torch.Tensor]:
+    """Our state dict → HF names: per-expert experts as on disk, or transformers-5 fused with fused_experts.
+    A model HF cannot represent is refused unless allow_lossy (see `check_hf_represents`)."""
     check_dsv3_keys({k: v.shape for k, v in sd.items()}, cfg)
+    check_hf_represents(cfg, [t for k, t in sd.items() if k.endswith("expert_bias")], allow_lossy)
     out = {}
     for key, tensor in sd.items():
         out.update(tensor_to_hf(key, tensor, cfg, fused_experts))

@@ -158,7 +158,7 @@ def _console_line(step: int, m: dict[str, float], total_steps: int | None, eta_s
 
 
 def _rewind(path: str, start_step: int) -> float:
-    """Drop the rows of metrics.jsonl after `start_step` (atomically); returns the last kept row's elapsed_s."""
+    """Drop the rows of a jsonl log after `start_step` (atomically); returns the last kept row's elapsed_s."""
     if not os.path.exists(path):
         return 0.0
     with open(path) as f:
@@ -218,6 +218,9 @@ class MetricsLogger:
         self._elapsed_before = _rewind(path, start_step)
         self._started = time.perf_counter()
         self._jsonl = open(path, "a")
+        expert_path = os.path.join(run_dir, "expert_load.jsonl")
+        _rewind(expert_path, start_step)
+        self._expert_jsonl = open(expert_path, "a")
         if use_wandb:
             try:
                 import wandb  # imported here: runs without W&B must not need it installed
@@ -248,10 +251,28 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(values, step=step)
 
+    def log_expert_load(self, step: int, tokens_per_expert: torch.Tensor) -> None:
+        """Per-expert token counts [L, E] of one step (rows as in `expert_load_stats`) as one line of
+        expert_load.jsonl, the input of scripts/plot.py's heatmaps; the heatmap as an image to W&B."""
+        if not self.enabled or tokens_per_expert.numel() == 0:
+            return
+        counts = tokens_per_expert.detach().long().cpu().tolist()
+        self._expert_jsonl.write(json.dumps({"step": step, "tokens_per_expert": counts}) + "\n")
+        self._expert_jsonl.flush()
+        if self._wandb is not None:
+            import wandb
+            from matplotlib import pyplot as plt
+
+            from dsv3.plots import expert_load_figure
+            figure = expert_load_figure([(step, counts)])
+            self._wandb.log({"moe/expert_load": wandb.Image(figure)}, step=step)
+            plt.close(figure)
+
     def close(self) -> None:
         if not self.enabled:
             return
         self._jsonl.close()
+        self._expert_jsonl.close()
         if self._wandb is not None:
             self._wandb.finish()
         self.enabled = False

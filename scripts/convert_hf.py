@@ -1,17 +1,20 @@
 """Convert between HF DeepSeek-V3 checkpoints and dsv3 safetensors checkpoints, tensor by tensor.
 
     python scripts/convert_hf.py --to-dsv3 HF_DIR OUT_DIR
-    python scripts/convert_hf.py --to-hf DSV3_DIR OUT_DIR [--fused-experts]
+    python scripts/convert_hf.py --to-hf DSV3_DIR OUT_DIR [--fused-experts] [--allow-lossy]
 
 HF_DIR: an HF config.json + *.safetensors shards (bf16/fp32; dequantize DeepSeek's FP8 release first).
 DSV3_DIR: our config.json (ModelConfig fields) + *.safetensors shards with `Transformer.state_dict()` names.
 Both directions write shards of at most --max-shard-gb plus model.safetensors.index.json, and hold at most
 one output shard and the routed-expert stacks still being collected, never the whole model.
+--to-hf refuses a softmax-routed model with a trained expert bias or route_norm (HF's deepseek_v2 has neither)
+unless --allow-lossy. Files are written with the umask's mode (0644 under the usual 022), like config.json.
 """
 
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +25,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file without installing dsv3
-from dsv3.hf import (FromHF, check_dsv3_keys, check_hf_keys, config_from_hf, config_to_hf,  # noqa: E402
-                     load_config_json, save_config, tensor_to_hf)
+from dsv3.hf import (FromHF, check_dsv3_keys, check_hf_keys, check_hf_represents, config_from_hf,  # noqa: E402
+                     config_to_hf, load_config_json, save_config, tensor_to_hf)
 
 INDEX = "model.safetensors.index.json"
 
@@ -56,6 +59,12 @@ def tensor_shapes(shards: list[Path]) -> dict[str, list[int]]:
     return shapes
 
 
+def expert_biases(shards: list[Path]) -> Iterator[torch.Tensor]:
+    for shard in shards:
+        with safe_open(shard, "pt") as f:
+            yield from (f.get_tensor(name) for name in f.keys() if name.endswith("expert_bias"))
+
+
 def read_tensors(shards: list[Path], total: int) -> Iterator[tuple[str, torch.Tensor]]:
     with tqdm(total=total, unit="tensor", desc="converting") as progress:
         for shard in shards:
@@ -86,7 +95,9 @@ class ShardWriter:
 
     def _flush(self) -> None:
         self.n_shards += 1
-        save_file(self.buffer, self.out / f"part-{self.n_shards:05d}.tmp", metadata={"format": "pt"})
+        path = self.out / f"part-{self.n_shards:05d}.tmp"
+        save_file(self.buffer, path, metadata={"format": "pt"})
+        path.chmod(0o666 & ~current_umask())  # save_file creates 0600 files; config.json and the index are not
         self.shard_of.update(dict.fromkeys(self.buffer, self.n_shards))
         self.buffer, self.buffer_bytes = {}, 0
 
@@ -100,6 +111,12 @@ class ShardWriter:
         index = {"metadata": {"total_size": self.total_bytes},
                  "weight_map": {k: names[i] for k, i in sorted(self.shard_of.items())}}
         (self.out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def current_umask() -> int:
+    umask = os.umask(0)  # reading it means setting it; set it straight back
+    os.umask(umask)
+    return umask
 
 
 def open_output(out: Path) -> None:
@@ -127,11 +144,12 @@ def to_dsv3(src: Path, out: Path, max_bytes: int) -> None:
     save_config(cfg, out / "config.json")
 
 
-def to_hf(src: Path, out: Path, max_bytes: int, fused_experts: bool) -> None:
+def to_hf(src: Path, out: Path, max_bytes: int, fused_experts: bool, allow_lossy: bool = False) -> None:
     cfg = load_config_json(config_path(src))
     shards = find_shards(src)
     shapes = tensor_shapes(shards)
     check_dsv3_keys(shapes, cfg)
+    check_hf_represents(cfg, expert_biases(shards), allow_lossy)
     open_output(out)
     writer = ShardWriter(out, max_bytes)
     for key, tensor in read_tensors(shards, len(shapes)):
@@ -148,6 +166,9 @@ def main(argv: list[str] | None = None) -> None:
     direction.add_argument("--to-hf", nargs=2, metavar=("DSV3_DIR", "OUT_DIR"), type=Path)
     parser.add_argument("--fused-experts", action="store_true",
                         help="--to-hf: transformers-5 fused experts instead of per-expert tensors as on disk")
+    parser.add_argument("--allow-lossy", action="store_true",
+                        help="--to-hf: export a model HF cannot represent exactly (softmax router with a trained "
+                             "expert bias or route_norm), with a warning")
     parser.add_argument("--max-shard-gb", type=float, default=5.0)
     args = parser.parse_args(argv)
     if args.fused_experts and not args.to_hf:
@@ -157,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.to_dsv3:
             to_dsv3(*args.to_dsv3, max_bytes)
         else:
-            to_hf(*args.to_hf, max_bytes, args.fused_experts)
+            to_hf(*args.to_hf, max_bytes, args.fused_experts, args.allow_lossy)
     except ValueError as e:  # config or key mismatch, explained by dsv3.hf
         raise SystemExit(str(e)) from None
 

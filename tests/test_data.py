@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import scripts.prepare_data as prepare_data
+from dsv3.config import UserError
 from dsv3.data import PackedLoader, Tokenizer, shuffled_index
 from scripts.prepare_data import prepare
 
@@ -183,21 +184,24 @@ def test_global_batch_must_divide_by_world_size(tmp_path):
 def test_empty_corpus_is_a_clear_error(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(SystemExit, match="no .txt, .jsonl or .parquet files"):
+    with pytest.raises(UserError, match="no .txt, .jsonl or .parquet files"):
         prepare([str(empty)], TOKENIZER, str(tmp_path / "out"), progress=False)
     (empty / "blank.txt").write_text("")
-    with pytest.raises(SystemExit, match="no non-empty documents"):
+    with pytest.raises(UserError, match="no non-empty documents"):
         prepare([str(empty)], TOKENIZER, str(tmp_path / "out"), progress=False)
 
 
 def test_missing_jsonl_key_or_parquet_column_is_a_clear_error(tmp_path):
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text(json.dumps({"body": "hello"}) + "\n")
-    with pytest.raises(SystemExit, match="no key 'text'.*--text-key"):
+    with pytest.raises(UserError, match="no key 'text'.*--text-key"):
         prepare([str(jsonl)], TOKENIZER, str(tmp_path / "out"), progress=False)
     parquet = tmp_path / "docs.parquet"
     pq.write_table(pa.table({"content": ["hello"]}), parquet)
-    with pytest.raises(SystemExit, match="no column 'text'.*--column"):
+    with pytest.raises(UserError, match="no column 'text'.*--column"):
+        prepare([str(parquet)], TOKENIZER, str(tmp_path / "out"), progress=False)
+    pq.write_table(pa.table({"text": [1, 2]}), parquet)
+    with pytest.raises(UserError, match="column 'text' holds int64, not text"):
         prepare([str(parquet)], TOKENIZER, str(tmp_path / "out"), progress=False)
 
 
@@ -209,7 +213,7 @@ def test_uint16_shards_refuse_a_vocab_over_65535(tmp_path, monkeypatch):
 
     monkeypatch.setattr(prepare_data, "Tokenizer", BigTokenizer)
     docs = [str(write_txt(tmp_path / "txt", DOCS))]
-    with pytest.raises(SystemExit, match="vocab 100000 does not fit in uint16"):
+    with pytest.raises(UserError, match="vocab 100000 does not fit in uint16"):
         prepare(docs, TOKENIZER, str(tmp_path / "out"), dtype="uint16", progress=False)
     prepare(docs, TOKENIZER, str(tmp_path / "out"), progress=False)  # the default picks uint32
     assert json.loads((tmp_path / "out" / "train" / "index.json").read_text())["dtype"] == "uint32"
@@ -219,7 +223,7 @@ def test_uint16_shards_refuse_a_vocab_over_65535(tmp_path, monkeypatch):
 def test_missing_tokenizer_names_the_script_that_trains_one(tmp_path):
     with pytest.raises(FileNotFoundError, match="scripts/train_tokenizer.py"):
         Tokenizer(tmp_path / "nope.model")
-    with pytest.raises(SystemExit, match="scripts/train_tokenizer.py"):
+    with pytest.raises(UserError, match="scripts/train_tokenizer.py"):
         prepare([str(write_txt(tmp_path / "txt", DOCS))], str(tmp_path / "nope.model"), str(tmp_path / "out"))
 
 
@@ -232,3 +236,84 @@ def test_dataset_shorter_than_one_sequence_is_a_clear_error(tmp_path):
     out = prepared(tmp_path)
     with pytest.raises(ValueError, match="fewer than one sequence"):
         PackedLoader(str(out), "val", 10_000)
+
+
+def test_failed_rerun_leaves_the_previous_dataset_intact(tmp_path, monkeypatch):
+    out = prepared(tmp_path, shard_tokens=100)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    calls = 0
+
+    def encode_then_fail(self, texts, num_threads=1):
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            raise RuntimeError("killed mid-run")
+        return Tokenizer.encode_batch(self, texts, num_threads)
+
+    many = write_txt(tmp_path / "many", DOCS * 10)  # > 256 documents: two encode batches
+    monkeypatch.setattr(prepare_data.Tokenizer, "encode_batch", encode_then_fail)
+    with pytest.raises(RuntimeError, match="killed mid-run"):
+        prepare([str(many)], TOKENIZER, str(out), shard_tokens=100, progress=False)
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many", "tokens", "txt"]  # no temp dir left behind
+
+
+def test_rerun_replaces_the_dataset_and_drops_its_extra_shards(tmp_path):
+    out = prepared(tmp_path, shard_tokens=100)
+    prepare([str(write_txt(tmp_path / "few", DOCS[:4]))], TOKENIZER, str(out), progress=False)
+    index = json.loads((out / "train" / "index.json").read_text())
+    assert [p.name for p in sorted((out / "train").glob("shard_*.bin"))] == ["shard_00000.bin"]
+    assert index["num_documents"] == 3
+
+
+def test_out_that_is_not_a_dataset_is_refused(tmp_path):
+    out = tmp_path / "home"
+    out.mkdir()
+    (out / "notes.md").write_text("mine")
+    with pytest.raises(UserError, match="not a prepared dataset.*new directory"):
+        prepare([str(write_txt(tmp_path / "txt", DOCS))], TOKENIZER, str(out), progress=False)
+    assert (out / "notes.md").read_text() == "mine"
+
+
+def test_binary_file_is_refused_by_name(tmp_path):
+    corpus = write_txt(tmp_path / "txt", DOCS[:3])
+    (corpus / "model.txt").write_bytes(b"\x7fELF\x02\x01\x00\x00binary")
+    with pytest.raises(UserError, match=r"model\.txt looks binary"):
+        prepare([str(corpus)], TOKENIZER, str(tmp_path / "out"), progress=False)
+
+
+def test_non_utf8_text_names_file_and_line_unless_an_encoding_is_given(tmp_path):
+    corpus = tmp_path / "latin"
+    corpus.mkdir()
+    (corpus / "a.txt").write_bytes("first line\nsecond\ncaf\xe9 au lait\n".encode("latin-1"))
+    with pytest.raises(UserError, match=r"a\.txt:3: not valid utf-8 \(byte 0xe9\).*--encoding latin-1"):
+        prepare([str(corpus)], TOKENIZER, str(tmp_path / "out"), progress=False)
+    prepare([str(corpus)], TOKENIZER, str(tmp_path / "out"), progress=False, encoding="latin-1")
+    stream = read_stream(tmp_path / "out" / "train").tolist() + read_stream(tmp_path / "out" / "val").tolist()
+    assert "café au lait" in Tokenizer(TOKENIZER).decode([t for t in stream if t != Tokenizer(TOKENIZER).eos_id])
+
+
+@pytest.mark.parametrize("bad_line, reason", [
+    (b'{"text": "cut off', r"not valid JSON \(Unterminated string"),
+    (b'["a list"]', "a JSON list, not an object"),
+    (b'{"text": 7}', "'text' is a int, not a string"),
+    (b'{"body": "x"}', "no key 'text'"),
+    ('{"text": "caf\xe9"}'.encode("latin-1"), r"not valid utf-8 \(byte 0xe9\)"),
+])
+def test_bad_jsonl_line_is_reported_as_file_and_line(tmp_path, bad_line, reason):
+    jsonl = tmp_path / "docs.jsonl"
+    good = json.dumps({"text": "fine"}).encode()
+    jsonl.write_bytes(b"\n".join([good, b"", good, bad_line, good]) + b"\n")
+    with pytest.raises(UserError, match=rf"docs\.jsonl:4: {reason}"):
+        prepare([str(jsonl)], TOKENIZER, str(tmp_path / "out"), progress=False)
+
+
+def test_one_document_corpus_still_gets_a_validation_split(tmp_path):
+    corpus = write_txt(tmp_path / "one", ["".join(DOCS)])
+    prepare([str(corpus)], TOKENIZER, str(tmp_path / "out"), val_fraction=0.1, progress=False)
+    train, val = read_stream(tmp_path / "out" / "train"), read_stream(tmp_path / "out" / "val")
+    whole = np.array(Tokenizer(TOKENIZER).encode_batch(["".join(DOCS)])[0] + [Tokenizer(TOKENIZER).eos_id])
+    assert len(val) == round(0.1 * len(whole)) and len(train) + len(val) == len(whole)
+    np.testing.assert_array_equal(np.concatenate([train, val]), whole)  # val is the tail, nothing lost
+    assert PackedLoader(str(tmp_path / "out"), "val", 16).num_sequences > 0

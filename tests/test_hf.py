@@ -7,6 +7,7 @@ Needs a transformers whose DeepseekV3 router masks unselected groups with -inf (
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Conf
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 import scripts.convert_hf as convert_hf
-from dsv3.config import FLAVORS, ModelConfig
+from dsv3.config import FLAVORS, ModelConfig, UserError
 from dsv3.hf import (FromHF, config_from_hf, config_to_hf, load_config_json, save_config, state_dict_from_hf,
                      state_dict_to_hf)
 from dsv3.model import Transformer
@@ -316,3 +317,40 @@ def test_convert_script_reads_and_writes_transformers_checkpoints(tmp_path):
         convert_hf.main(["--to-hf", str(tmp_path / "dsv3"), str(out), *flags])
         back = DeepseekV3ForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
         assert torch.equal(back(tokens).logits, reference)
+
+
+SOFTMAX = dataclasses.replace(TINY, score_func="softmax", route_norm=False)
+
+
+def test_softmax_export_that_hf_cannot_represent_is_refused_unless_allowed():
+    trained = random_ours(SOFTMAX)  # random, so non-zero expert biases
+    with pytest.raises(UserError, match="non-zero expert bias.*--allow-lossy.*bias_update_speed=0"):
+        state_dict_to_hf(trained, SOFTMAX)
+    with pytest.raises(UserError, match="route_norm"):
+        state_dict_to_hf(random_ours(SOFTMAX) | zero_biases(trained), dataclasses.replace(SOFTMAX, route_norm=True))
+    with pytest.warns(UserWarning, match="exporting anyway"):
+        assert state_dict_to_hf(trained, SOFTMAX, allow_lossy=True).keys() == state_dict_to_hf(
+            trained | zero_biases(trained), SOFTMAX).keys()  # b = 0 and no route_norm: exact, no error
+
+
+def zero_biases(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros_like(t) for k, t in sd.items() if k.endswith("expert_bias")}
+
+
+def test_convert_script_refuses_a_lossy_export_before_writing_and_writes_umask_modes(tmp_path):
+    (tmp_path / "dsv3").mkdir()
+    save_file(random_ours(SOFTMAX), tmp_path / "dsv3" / "model.safetensors")
+    save_config(SOFTMAX, tmp_path / "dsv3" / "config.json")
+    with pytest.raises(UserError, match="--allow-lossy"):
+        convert_hf.to_hf(tmp_path / "dsv3", tmp_path / "hf", max_bytes=10**9, fused_experts=False)
+    assert not (tmp_path / "hf").exists()
+    umask = os.umask(0o022)
+    try:
+        with pytest.warns(UserWarning, match="exporting anyway"):
+            convert_hf.main(["--to-hf", str(tmp_path / "dsv3"), str(tmp_path / "hf"), "--allow-lossy",
+                             "--max-shard-gb", "2e-5"])
+    finally:
+        os.umask(umask)
+    files = sorted(tmp_path.joinpath("hf").iterdir())
+    assert len([f for f in files if f.suffix == ".safetensors"]) > 1
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in files} == {f.name: "0o644" for f in files}

@@ -406,3 +406,17 @@ def test_validation_scores_at_most_one_pass_over_the_split():
     loss = train.evaluate(model, cfg, 0, 1, torch.device("cpu"))
     assert len(seen) == 2 and not torch.equal(seen[0], seen[1])
     assert loss == pytest.approx(sum(losses) / 2, rel=1e-6)
+
+
+def test_plot_draws_a_real_run(learned, tmp_path):
+    from scripts.plot import plot_runs, read_jsonl
+
+    counts = read_jsonl(learned / "expert_load.jsonl")
+    assert list(counts) == [LEARN_STEPS]  # log.expert_load_every = 100 and the last step
+    tokens_per_expert = counts[LEARN_STEPS]["tokens_per_expert"]  # [MoE layers + MTP blocks, E]
+    cfg = ModelConfig(**json.loads((learned / "export" / "config.json").read_text()))
+    # every routed copy of a token of the step's 16 × 128: MTP depth d predicts from the first 128 - d positions
+    routed = [16 * 128] * (cfg.n_layers - cfg.n_dense_layers) + [16 * (128 - d) for d in range(1, cfg.n_mtp_layers + 1)]
+    assert [sum(row) for row in tokens_per_expert] == [n * cfg.n_activated_experts for n in routed]
+    written = plot_runs([str(learned)], str(tmp_path))
+    assert {p.name for p in written} == {"loss.png", "lr.png", "grad_norm.png", "tokens_per_s.png", "expert_load.png"}
