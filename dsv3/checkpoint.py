@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from dsv3.config import ModelConfig
+from dsv3.config import ModelConfig, UserError
 from dsv3.hf import save_config
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -55,7 +55,8 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
     _barrier()
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
              "train": train_state}
-    dcp.save(state, checkpoint_id=str(tmp))
+    # no process group: a single process, said outright rather than guessed (and warned about) by DCP
+    dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
     torch.save(_rng_state(), tmp / f"rng-{_rank()}.pt")  # per rank: DCP keeps one copy of a plain tensor
     _barrier()
     if _rank() == 0:
@@ -73,7 +74,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     train_state (`train_state` gives its keys and types)."""
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
              "train": train_state}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
     _restore_rng(Path(path))
@@ -110,10 +111,10 @@ def load_weights(path: str | Path, model: nn.Module) -> None:
             on_disk |= set(f.keys())
     missing, unexpected = sorted(state.keys() - on_disk), sorted(on_disk - state.keys())
     if missing or unexpected:
-        raise ValueError(f"checkpoint.init_from={path} does not fit this model: missing {missing[:10]} "
-                         f"({len(missing)}), unexpected {unexpected[:10]} ({len(unexpected)}); check the flavor "
-                         f"and [model] overrides against its config.json")
-    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
+        raise UserError(f"checkpoint.init_from={path} does not fit this model: missing {missing[:10]} "
+                        f"({len(missing)}), unexpected {unexpected[:10]} ({len(unexpected)}); check the flavor "
+                        f"and [model] overrides against its config.json")
+    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)), no_dist=not dist.is_initialized())
     set_model_state_dict(model, state)
 
 

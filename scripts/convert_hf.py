@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file without installing dsv3
+from dsv3.config import UserError, run_main  # noqa: E402
 from dsv3.hf import (FromHF, check_dsv3_keys, check_hf_keys, config_from_hf, config_to_hf,  # noqa: E402
                      load_config_json, save_config, tensor_to_hf)
 
@@ -35,14 +36,14 @@ def find_shards(src: Path) -> list[Path]:
         return [src / n for n in names]
     shards = sorted(src.glob("*.safetensors"))
     if not shards:
-        raise SystemExit(f"no *.safetensors shards in {src}; point at a checkpoint directory.")
+        raise UserError(f"no *.safetensors shards in {src}; point at a checkpoint directory.")
     return shards
 
 
 def config_path(src: Path) -> Path:
     path = src / "config.json"
     if not path.exists():
-        raise SystemExit(f"{path} not found: a checkpoint directory needs its config.json beside the shards.")
+        raise UserError(f"{path} not found: a checkpoint directory needs its config.json beside the shards.")
     return path
 
 
@@ -105,7 +106,7 @@ class ShardWriter:
 def open_output(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if any(out.glob("*.safetensors")):
-        raise SystemExit(f"{out} already holds *.safetensors shards; pick an empty output directory.")
+        raise UserError(f"{out} already holds *.safetensors shards; pick an empty output directory.")
 
 
 def to_dsv3(src: Path, out: Path, max_bytes: int) -> None:
@@ -159,8 +160,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             to_hf(*args.to_hf, max_bytes, args.fused_experts)
     except ValueError as e:  # config or key mismatch, explained by dsv3.hf
-        raise SystemExit(str(e)) from None
+        raise UserError(str(e)) from None
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

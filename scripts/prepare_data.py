@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file without installing dsv3
+from dsv3.config import UserError, run_main  # noqa: E402
 from dsv3.data import Tokenizer  # noqa: E402
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -55,12 +56,12 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
             files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
         elif path.is_file():
             if path.suffix not in SUFFIXES:
-                raise SystemExit(f"{path} is not .txt, .jsonl or .parquet; convert it or pass a directory of those.")
+                raise UserError(f"{path} is not .txt, .jsonl or .parquet; convert it or pass a directory of those.")
             files.append(path)
         else:
-            raise SystemExit(f"input {path} does not exist; pass existing files or directories with --input.")
+            raise UserError(f"input {path} does not exist; pass existing files or directories with --input.")
     if not files:
-        raise SystemExit(f"no .txt, .jsonl or .parquet files in {inputs}; point --input at your corpus.")
+        raise UserError(f"no .txt, .jsonl or .parquet files in {inputs}; point --input at your corpus.")
     return files
 
 
@@ -74,7 +75,7 @@ def read_documents(path: Path, text_key: str = "text", column: str = "text") -> 
                     continue
                 record = json.loads(line)
                 if text_key not in record:
-                    raise SystemExit(
+                    raise UserError(
                         f"{path}:{line_no} has no key {text_key!r} (keys: {sorted(record)}); "
                         "choose one with --text-key."
                     )
@@ -82,7 +83,7 @@ def read_documents(path: Path, text_key: str = "text", column: str = "text") -> 
     else:
         parquet = pq.ParquetFile(path)
         if column not in parquet.schema_arrow.names:
-            raise SystemExit(
+            raise UserError(
                 f"{path} has no column {column!r} (columns: {parquet.schema_arrow.names}); choose one with --column."
             )
         # Batches of rows, never the whole table: parquet corpora are often larger than RAM.
@@ -160,20 +161,17 @@ def prepare(
 ) -> dict[str, dict]:
     """Tokenize `inputs` (None or [] = the stdlib corpus) into OUT/{train,val}; returns both indexes."""
     if not 0 <= val_fraction <= 0.5:
-        raise SystemExit(f"--val-fraction {val_fraction} is outside [0, 0.5]; pick e.g. 0.01.")
-    try:
-        tokenizer = Tokenizer(tokenizer_path)
-    except FileNotFoundError as e:
-        raise SystemExit(str(e)) from None
+        raise UserError(f"--val-fraction {val_fraction} is outside [0, 0.5]; pick e.g. 0.01.")
+    tokenizer = Tokenizer(tokenizer_path)
     dtype = dtype or ("uint16" if tokenizer.vocab_size <= 65535 else "uint32")
     if tokenizer.vocab_size > np.iinfo(dtype).max:
-        raise SystemExit(
+        raise UserError(
             f"tokenizer vocab {tokenizer.vocab_size} does not fit in {dtype}; use --dtype uint32 or omit --dtype."
         )
     documents = iter_documents(inputs, text_key, column)
     first = next(documents, None)  # fail before touching out_dir
     if first is None:
-        raise SystemExit(f"the corpus {inputs} has no non-empty documents; check --input, --text-key, --column.")
+        raise UserError(f"the corpus {inputs} has no non-empty documents; check --input, --text-key, --column.")
     # Doc 1, then every k-th: val is non-empty as soon as there are two documents, and train gets doc 0.
     val_every = round(1 / val_fraction) if val_fraction > 0 else 0
     writers = {split: ShardWriter(Path(out_dir) / split, dtype, shard_tokens) for split in ("train", "val")}
@@ -220,4 +218,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import scripts.prepare_data as prepare_data
+from dsv3.config import UserError
 from dsv3.data import PackedLoader, Tokenizer
 from scripts.prepare_data import prepare
 
@@ -153,21 +154,21 @@ def test_global_batch_must_divide_by_world_size(tmp_path):
 def test_empty_corpus_is_a_clear_error(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(SystemExit, match="no .txt, .jsonl or .parquet files"):
+    with pytest.raises(UserError, match="no .txt, .jsonl or .parquet files"):
         prepare([str(empty)], TOKENIZER, str(tmp_path / "out"), progress=False)
     (empty / "blank.txt").write_text("")
-    with pytest.raises(SystemExit, match="no non-empty documents"):
+    with pytest.raises(UserError, match="no non-empty documents"):
         prepare([str(empty)], TOKENIZER, str(tmp_path / "out"), progress=False)
 
 
 def test_missing_jsonl_key_or_parquet_column_is_a_clear_error(tmp_path):
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text(json.dumps({"body": "hello"}) + "\n")
-    with pytest.raises(SystemExit, match="no key 'text'.*--text-key"):
+    with pytest.raises(UserError, match="no key 'text'.*--text-key"):
         prepare([str(jsonl)], TOKENIZER, str(tmp_path / "out"), progress=False)
     parquet = tmp_path / "docs.parquet"
     pq.write_table(pa.table({"content": ["hello"]}), parquet)
-    with pytest.raises(SystemExit, match="no column 'text'.*--column"):
+    with pytest.raises(UserError, match="no column 'text'.*--column"):
         prepare([str(parquet)], TOKENIZER, str(tmp_path / "out"), progress=False)
 
 
@@ -179,7 +180,7 @@ def test_uint16_shards_refuse_a_vocab_over_65535(tmp_path, monkeypatch):
 
     monkeypatch.setattr(prepare_data, "Tokenizer", BigTokenizer)
     docs = [str(write_txt(tmp_path / "txt", DOCS))]
-    with pytest.raises(SystemExit, match="vocab 100000 does not fit in uint16"):
+    with pytest.raises(UserError, match="vocab 100000 does not fit in uint16"):
         prepare(docs, TOKENIZER, str(tmp_path / "out"), dtype="uint16", progress=False)
     prepare(docs, TOKENIZER, str(tmp_path / "out"), progress=False)  # the default picks uint32
     assert json.loads((tmp_path / "out" / "train" / "index.json").read_text())["dtype"] == "uint32"
@@ -187,14 +188,14 @@ def test_uint16_shards_refuse_a_vocab_over_65535(tmp_path, monkeypatch):
 
 
 def test_missing_tokenizer_names_the_script_that_trains_one(tmp_path):
-    with pytest.raises(FileNotFoundError, match="scripts/train_tokenizer.py"):
+    with pytest.raises(UserError, match="scripts/train_tokenizer.py"):
         Tokenizer(tmp_path / "nope.model")
-    with pytest.raises(SystemExit, match="scripts/train_tokenizer.py"):
+    with pytest.raises(UserError, match="scripts/train_tokenizer.py"):
         prepare([str(write_txt(tmp_path / "txt", DOCS))], str(tmp_path / "nope.model"), str(tmp_path / "out"))
 
 
 def test_missing_data_dir_names_the_script_that_writes_it(tmp_path):
-    with pytest.raises(FileNotFoundError, match="scripts/prepare_data.py"):
+    with pytest.raises(UserError, match="scripts/prepare_data.py"):
         PackedLoader(str(tmp_path / "nowhere"), "train", 16)
 
 

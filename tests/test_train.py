@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import train
 from dsv3 import checkpoint
-from dsv3.config import FLAVORS, Config, DataConfig, ModelConfig, TrainConfig
+from dsv3.config import FLAVORS, Config, DataConfig, ModelConfig, TrainConfig, UserError
 from dsv3.model import Transformer
 from conftest import read_metrics
 
@@ -224,21 +224,21 @@ def test_nan_loss_stops_before_any_later_checkpoint(data, tmp_path, monkeypatch,
 # --- bad input fails fast, with a message that says what to change ----------------------------------
 
 @pytest.mark.parametrize("overrides,error,message", [
-    (["--flavor=huge"], ValueError, "unknown flavor 'huge': choose one of debug, 16B, 671B"),
-    (["--train.learning_rate=1e-3"], ValueError, "unknown key train.learning_rate"),
-    (["--model.dims=64"], ValueError, r"unknown model key\(s\) \['dims'\]"),
-    (["--train.lr"], ValueError, "bad override '--train.lr': write --section.key=value"),
-    (["train.lr=1e-3"], ValueError, "bad override 'train.lr=1e-3'"),
-    (["--train.lr=fast"], ValueError, "train.lr must be a float"),
-    (["--data.path=/nonexistent/corpus"], FileNotFoundError, "scripts/prepare_data.py"),
-    (["--model.vocab_size=1000"], ValueError, "has 4096 tokens but model.vocab_size is 1000"),
-    (["--train.global_batch=12", "--train.micro_batch=8"], ValueError,
+    (["--flavor=huge"], UserError, "unknown flavor 'huge': choose one of debug, 16B, 671B"),
+    (["--train.learning_rate=1e-3"], UserError, "unknown key train.learning_rate"),
+    (["--model.dims=64"], UserError, r"unknown model key\(s\) \['dims'\]"),
+    (["--train.lr"], UserError, "bad override '--train.lr': write --section.key=value"),
+    (["train.lr=1e-3"], UserError, "bad override 'train.lr=1e-3'"),
+    (["--train.lr=fast"], UserError, "train.lr must be a float"),
+    (["--data.path=/nonexistent/corpus"], UserError, "scripts/prepare_data.py"),
+    (["--model.vocab_size=1000"], UserError, "has 4096 tokens but model.vocab_size is 1000"),
+    (["--train.global_batch=12", "--train.micro_batch=8"], UserError,
      r"global_batch \(12\) must be a multiple of train.micro_batch"),
-    (["--train.seq_len=512"], ValueError, r"seq_len \(512\) exceeds model.max_seq_len \(256\)"),
-    (["--parallel.ep=2"], ValueError, "parallel.ep=2 must divide the world size 1"),
-    (["--checkpoint.init_from=/nonexistent/weights"], FileNotFoundError, r"holds no \*.safetensors"),
-    (["--log.every=0"], ValueError, "log.every must be >= 1, got 0"),
-    (["--train.val_batches=0"], ValueError, "train.val_batches must be >= 1, got 0"),
+    (["--train.seq_len=512"], UserError, r"seq_len \(512\) exceeds model.max_seq_len \(256\)"),
+    (["--parallel.ep=2"], UserError, "parallel.ep=2 must divide the world size 1"),
+    (["--checkpoint.init_from=/nonexistent/weights"], UserError, r"holds no \*.safetensors"),
+    (["--log.every=0"], UserError, "log.every must be >= 1, got 0"),
+    (["--train.val_batches=0"], UserError, "train.val_batches must be >= 1, got 0"),
 ], ids=["flavor", "key", "model-key", "no-value", "no-dashes", "type", "data", "vocab", "batch", "seq-len",
         "ep", "init-from", "log-every", "val-batches"])
 def test_bad_input_is_a_clear_error_before_the_model_is_built(data, tmp_path, monkeypatch, overrides, error,
@@ -257,7 +257,7 @@ def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(data, 
     --resume would pick up the old run: stop before anything is built."""
     (tmp_path / "step-300").mkdir()
     monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
-    with pytest.raises(FileExistsError, match=r"already holds checkpoints \(step-300\).*--resume"):
+    with pytest.raises(UserError, match=r"already holds checkpoints \(step-300\).*--resume"):
         run(tmp_path, *TINY, "--train.steps=2", "--checkpoint.every=2")
     assert (tmp_path / "step-300").is_dir()
 
