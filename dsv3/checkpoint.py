@@ -4,9 +4,12 @@ at 2 or 1) and the final safetensors export. A checkpoint is written to `step-N.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,16 @@ def checkpoints(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+@contextlib.contextmanager
+def _quiet_without_group() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes a single process, even when told so (no_dist=True):
+    here that is the intent, so the warning is noise. With a group, nothing is filtered."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
          train_state: dict[str, Any], keep: int) -> Path:
     """Model (expert biases included: they are buffers), optimizer, `train_state` (step, data-loader
@@ -55,8 +68,8 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
     _barrier()
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
              "train": train_state}
-    # no process group: a single process, said outright rather than guessed (and warned about) by DCP
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+    with _quiet_without_group():
+        dcp.save(state, checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng-{_rank()}.pt")  # per rank: DCP keeps one copy of a plain tensor
     _barrier()
     if _rank() == 0:
@@ -74,7 +87,8 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     train_state (`train_state` gives its keys and types)."""
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
              "train": train_state}
-    dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    with _quiet_without_group():
+        dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
     _restore_rng(Path(path))
@@ -114,7 +128,8 @@ def load_weights(path: str | Path, model: nn.Module) -> None:
         raise UserError(f"checkpoint.init_from={path} does not fit this model: missing {missing[:10]} "
                         f"({len(missing)}), unexpected {unexpected[:10]} ({len(unexpected)}); check the flavor "
                         f"and [model] overrides against its config.json")
-    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)), no_dist=not dist.is_initialized())
+    with _quiet_without_group():
+        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
     set_model_state_dict(model, state)
 
 

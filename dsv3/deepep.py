@@ -62,7 +62,8 @@ def check(ep: int, device: torch.device, num_sms: int = 24, local_world: int | N
 
 def get_buffer(group: dist.ProcessGroup, dim: int, num_sms: int = 24):
     """The process's one DeepEP buffer for tokens of `dim` bf16 values, NVLink part only (`num_rdma_bytes=0`):
-    sized from DeepEP's own hints for its dispatch and combine configs. Never ask for RDMA hints (DESIGN.md)."""
+    sized from DeepEP's own hints for its dispatch and combine configs. Never ask for RDMA hints: an intranode
+    build cannot serve them."""
     global _buffer
     from deep_ep import Buffer
 

@@ -83,6 +83,10 @@ def startup_banner(cfg: Config, world: int, device: torch.device, expected_memor
     mc, t, p = cfg.model_config(), cfg.train, cfg.parallel
     total, activated = parameter_counts(mc)
     micro_batches = t.global_batch // (t.micro_batch * world)
+    precision = "fp32" if device.type == "cpu" and t.precision == "bf16" else t.precision  # bf16: the GPU path
+    if t.expert_precision == "low":
+        precision += ", routed experts too"
+
     def count(n: int) -> str:
         return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
 
@@ -91,9 +95,8 @@ def startup_banner(cfg: Config, world: int, device: torch.device, expected_memor
              f"{mc.n_activated_experts}, MTP depth {mc.n_mtp_layers}",
              f"batch   {t.global_batch} sequences × {t.seq_len} tokens = {t.global_batch * t.seq_len:,} tokens/step, "
              f"{t.steps} steps; {micro_batches} × {t.micro_batch} sequences per rank and step",
-             f"layout  world {world} on {device.type}, ep {p.ep} ({p.ep_backend}); precision {t.precision} "
-             f"(experts {t.expert_precision}), activation checkpointing {t.activation_checkpoint}, "
-             f"compile {'on' if t.compile else 'off'}"]
+             f"layout  world {world} on {device.type}, ep {p.ep} ({p.ep_backend}); precision {precision}; "
+             f"activation checkpointing {t.activation_checkpoint}; compile {'on' if t.compile else 'off'}"]
     if expected_memory_gib is not None:
         lines.append(f"memory  ~{expected_memory_gib:.1f} GiB per GPU expected")
     lines.append(f"paths   data {cfg.data.path} → run dir {cfg.checkpoint.dir}")

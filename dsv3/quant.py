@@ -1,4 +1,4 @@
-"""Low-precision training (DESIGN.md "Precision"), applied to the built model from outside, after it is built
+"""Low-precision training (paper §3.3, README "Precision"), applied to the built model from outside, after it is built
 and before expert parallelism, activation checkpointing, compile and FSDP2. torchao 0.18 is called directly,
 each call in one function named for what it does, and imported only here, only when a mode needs it.
 

@@ -1,4 +1,4 @@
-"""Low precision (DESIGN.md "Precision", dsv3.quant): what gets converted, how close the numerics stay to bf16,
+"""Low precision (paper §3.3, dsv3.quant): what gets converted, how close the numerics stay to bf16,
 routed-expert token groups padded without changing results or reading anything on the host, the start-up
 checks; on a GPU, short training runs in each mode."""
 

@@ -5,6 +5,8 @@ and exports a model that loads on its own; plus its schedules and gradient accum
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,7 @@ import train
 from dsv3 import checkpoint
 from dsv3.config import FLAVORS, Config, DataConfig, ModelConfig, TrainConfig, UserError
 from dsv3.model import Transformer
-from conftest import read_metrics
+from conftest import free_port, read_metrics, torchrun_vars
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "configs" / "debug.toml")
@@ -25,9 +27,6 @@ DATA = ROOT / "data" / "stdlib"
 # micro-batches of 2.
 TINY = ["--model.n_layers=2", "--train.seq_len=32", "--train.global_batch=4", "--train.micro_batch=2",
         "--train.val_every=0", "--checkpoint.export=false"]
-
-# Without a process group DCP warns that it "assumes a single process": here that is the point.
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def run(run_dir: Path, *overrides: str) -> dict[int, dict]:
@@ -260,6 +259,55 @@ def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(data, 
     with pytest.raises(UserError, match=r"already holds checkpoints \(step-300\).*--resume"):
         run(tmp_path, *TINY, "--train.steps=2", "--checkpoint.every=2")
     assert (tmp_path / "step-300").is_dir()
+
+
+# --- first contact: what a user sees on the command line -------------------------------------------
+
+def train_py(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python train.py ARGS` in a fresh process, stdout and stderr captured."""
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_bad_config_value_is_one_line_on_stderr_and_exit_code_2():
+    out, err = train_py("--config", CONFIG, "--train.lr=-1").communicate(timeout=120)
+    assert err.splitlines() == ["error: train.lr must be > 0, got -1.0"]
+    assert "Traceback" not in out + err
+
+
+def test_help_lists_every_section_and_exits_0():
+    process = train_py("--help")
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0 and err == ""
+    assert out.startswith("usage: ")
+    assert all(f"[{section}]" in out for section in ("model", "train", "data", "parallel", "checkpoint", "log"))
+
+
+def test_error_after_the_process_group_exists_is_one_line_from_rank_0_and_no_rank_hangs(data):
+    """parallel.ep=3 at world 2 is refused after init_process_group: both ranks leave with code 2, only rank 0
+    says why, and tearing the group down prints nothing."""
+    port = free_port()
+    ranks = [train_py("--config", CONFIG, "--train.device=cpu", "--parallel.ep=3",
+                      env=os.environ | torchrun_vars(rank, 2, port)) for rank in range(2)]
+    (_, err0), (_, err1) = [rank.communicate(timeout=120) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [2, 2]
+    assert err0.splitlines() == ["error: parallel.ep=3 must divide the world size 2: pick one of [1, 2]"]
+    assert err1 == ""
+
+
+def test_short_run_prints_a_banner_then_step_1_and_no_warnings(data, tmp_path):
+    """What a newcomer's first run shows: the banner, a first line at step 1, and no library warnings
+    (the checkpoint and export paths included)."""
+    process = train_py("--config", CONFIG, f"--checkpoint.dir={tmp_path}", *TINY[:-1], "--train.steps=3",
+                       "--checkpoint.every=3", "--train.val_every=3", "--log.every=10")
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    assert [line for line in err.splitlines() if "Warning" in line or "warn(" in line] == []
+    lines = out.splitlines()
+    assert lines[0].startswith("model   debug: ") and "activated per token" in lines[0]
+    assert any(line.startswith("paths   data ") and str(tmp_path) in line for line in lines)
+    assert [line.split(" |")[0] for line in lines if line.startswith("step ")] == ["step 1/3", "step 3/3", "step 3/3"]
+    assert (tmp_path / "export" / "model.safetensors").is_file()
 
 
 # --- schedules ---------------------------------------------------------------------------------------
