@@ -5,6 +5,7 @@ at 2 or 1) and the final safetensors export. A checkpoint is written to `step-N.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -136,7 +137,15 @@ def load_weights(path: str | Path, model: nn.Module) -> None:
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded model state on CPU (gathered on every rank; only rank 0 keeps real tensors)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    # An expert stack sharded over ep and then efsdp can only be gathered by two all-gathers in turn, which
+    # DTensor logs as a warning on every rank; for a one-off gather that is expected, not news.
+    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute_log.level
+    redistribute_log.setLevel(logging.ERROR)
+    try:
+        return get_model_state_dict(model, options=options)
+    finally:
+        redistribute_log.setLevel(level)
 
 
 def export(out_dir: str | Path, model: nn.Module, cfg: ModelConfig) -> None:

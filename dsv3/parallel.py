@@ -34,18 +34,18 @@ def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("train.device=cuda but no CUDA GPU is visible: use --train.device=cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    this_device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         # The device before the group and the meshes: they, and barrier(), then know it instead of guessing.
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(this_device)
         torch.set_float32_matmul_precision("high")  # TF32 for the few fp32 matmuls left (compute is bf16)
     if "WORLD_SIZE" not in os.environ:
         if use_cuda and not dist.is_initialized():  # FSDP2 (our bf16 mixed precision) needs a group, even of one
-            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
-        return 0, 1, device
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=this_device)
+        return 0, 1, this_device
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
-    return dist.get_rank(), dist.get_world_size(), device
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=this_device if use_cuda else None)
+    return dist.get_rank(), dist.get_world_size(), this_device
 
 
 def check_ep(ep: int, world: int, n_routed_experts: int) -> None:

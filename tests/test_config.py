@@ -7,7 +7,8 @@ import pytest
 
 from dsv3.config import FLAVORS, Config, ModelConfig, TrainConfig, UserError, field_help, help_text, load_config
 
-# DeepSeek-V3 (paper §4.2) and the V2-Lite-shaped 16B (torchtitan's "16B"); every flavor also has d_n 128, d_r 64, d_v 128, d_c 512.
+# DeepSeek-V3 (paper §4.2) and the V2-Lite-shaped 16B (torchtitan's "16B"); every flavor also has d_n 128,
+# d_r 64, d_v 128, d_c 512.
 FLAVOR_TABLE = {
     "16B": dict(vocab_size=102400, dim=2048, inter_dim=10944, moe_inter_dim=1408, n_layers=27, n_dense_layers=1,
                 n_heads=16, n_routed_experts=64, n_shared_experts=2, n_activated_experts=6, n_expert_groups=1,

@@ -369,7 +369,8 @@ def test_update_expert_bias_needs_one_load_row_per_router():
 
 
 def balance_loss_loop(scores: torch.Tensor, topk_idx: torch.Tensor, topk: int) -> float:
-    """Paper §2.1.2 (eqs. 17–20), per sequence: Σ_i f_i·P_i, f_i = E/(K·T)·count_i, P_i = mean_t s'_i,t; mean over sequences."""
+    """Paper §2.1.2 (eqs. 17–20), per sequence: Σ_i f_i·P_i, f_i = E/(K·T)·count_i, P_i = mean_t s'_i,t;
+    mean over sequences."""
     B, T, E = scores.shape
     losses = []
     for b in range(B):
