@@ -119,11 +119,12 @@ def test_export_loads_into_a_fresh_model_and_matches_the_last_checkpoint(learned
 
 
 def test_init_from_starts_from_exported_weights(learned, tmp_path):
-    # lr 0 and no bias update: one step must leave the imported weights exactly as they were
+    # lr 1e-30 (lr must be > 0) is below fp32 resolution, and no bias update: one step must leave the imported
+    # weights exactly as they were
     weights = f"--checkpoint.init_from={learned / 'export'}"
-    with pytest.raises(ValueError, match=r"does not fit this model: missing \[\] \(0\), unexpected \['layers.2"):
+    with pytest.raises(UserError, match=r"does not fit this model: missing \[\] \(0\), unexpected \['layers.2"):
         run(tmp_path / "smaller", *TINY, weights)  # TINY has 2 layers, the export 3
-    rows = run(tmp_path, *TINY[1:], "--train.steps=1", "--train.lr=0", "--train.bias_update_speed=0", weights,
+    rows = run(tmp_path, *TINY[1:], "--train.steps=1", "--train.lr=1e-30", "--train.bias_update_speed=0", weights,
                "--checkpoint.every=0", "--checkpoint.export=true")
     assert rows[1]["loss"] < math.log(4096) - 1.5  # a trained model, not a fresh one
     assert checkpoint.checkpoints(tmp_path) == []  # every=0: no checkpoints at all
