@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from dsv3 import checkpoint, deepep, optim, parallel, quant
-from dsv3.config import Config, TrainConfig, load_config
+from dsv3.config import Config, TrainConfig, UserError, help_text, load_config, run_main
 from dsv3.data import PackedLoader, read_index
 from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, memory_stats, mfu,
-                          peak_flops)
+                          parameter_counts, peak_flops, startup_banner)
 from dsv3.model import Transformer
 from dsv3.moe import update_expert_bias
 from dsv3.plan import check_fits
@@ -124,8 +124,8 @@ def check_setup(cfg: Config, world: int, device: torch.device) -> None:
     parallel.check_ep(p.ep, world, cfg.model_config().n_routed_experts)
     parallel.check_ep_backend(p.ep_backend, p.ep, device, p.deepep_sms)
     if t.global_batch % (t.micro_batch * world):
-        raise ValueError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch × "
-                         f"world size ({t.micro_batch} × {world})")
+        raise UserError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch × "
+                        f"world size ({t.micro_batch} × {world})")
 
 
 def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
@@ -155,11 +155,16 @@ def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        return
     config_path, overrides = None, []
     args = iter(argv)
     for arg in args:
         if arg == "--config":
-            config_path = next(args)
+            config_path = next(args, None)
+            if config_path is None:
+                raise UserError("--config needs a file: --config configs/debug.toml")
         elif arg.startswith("--config="):
             config_path = arg.split("=", 1)[1]
         elif arg == "--resume":
@@ -172,25 +177,24 @@ def main(argv: list[str] | None = None) -> None:
     # Check every input before anything expensive is built.
     rank, world, device = parallel.init_distributed(t.device)
     check_setup(cfg, world, device)
+    memory_plan = None
     if device.type == "cuda":  # a config that cannot fit stops here, before any weight is allocated
         memory_plan = check_fits(cfg, world, torch.cuda.get_device_name(device),
                                  torch.cuda.get_device_properties(device).total_memory)
-        if rank == 0:
-            print(memory_plan.summary(), flush=True)
     data_vocab = read_index(Path(cfg.data.path) / "train")["vocab_size"]
     if data_vocab > mcfg.vocab_size:
-        raise ValueError(f"the data's tokenizer has {data_vocab} tokens but model.vocab_size is "
-                         f"{mcfg.vocab_size}: set --model.vocab_size={data_vocab} or re-tokenize the data")
+        raise UserError(f"the data's tokenizer has {data_vocab} tokens but model.vocab_size is "
+                        f"{mcfg.vocab_size}: set --model.vocab_size={data_vocab} or re-tokenize the data")
     if cfg.checkpoint.init_from and not any(Path(cfg.checkpoint.init_from).glob("*.safetensors")):
-        raise FileNotFoundError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no *.safetensors: point it "
-                                f"at an export, or convert an HF model with scripts/convert_hf.py --to-dsv3")
+        raise UserError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no *.safetensors: point it "
+                        f"at an export, or convert an HF model with scripts/convert_hf.py --to-dsv3")
     run_dir = Path(cfg.checkpoint.dir)
     checkpoint.lock_run_dir(run_dir, create=not cfg.checkpoint.resume)  # one run per directory, until it ends
     found = checkpoint.checkpoints(run_dir)
     if found and not cfg.checkpoint.resume:
-        raise FileExistsError(f"checkpoint.dir={run_dir} already holds checkpoints "
-                              f"({', '.join(p.name for p in found)}): continue that run "
-                              "with --resume, or give this one its own --checkpoint.dir")
+        raise UserError(f"checkpoint.dir={run_dir} already holds checkpoints "
+                        f"({', '.join(p.name for p in found)}): continue that run "
+                        "with --resume, or give this one its own --checkpoint.dir")
     resume_path = checkpoint.resume_from(run_dir, cfg.checkpoint.verify_checksums) if cfg.checkpoint.resume else None
     if resume_path and checkpoint.step_of(resume_path) >= t.steps:
         if rank == 0:
@@ -200,12 +204,13 @@ def main(argv: list[str] | None = None) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         return
-    with torch.device("meta"):  # parameter count only: nothing is allocated
-        n_params = sum(p.numel() for p in Transformer(mcfg).parameters())
+    n_params, _ = parameter_counts(mcfg)
     checkpoint.check_free_space(run_dir, checkpoint.estimated_bytes(n_params, t.optimizer_state_dtype))
     loader = PackedLoader(cfg.data.path, "train", t.seq_len, rank, world, seed=t.seed)
     if t.val_every:
         PackedLoader(cfg.data.path, "val", t.seq_len)  # fail now, not at the first validation
+    if rank == 0:
+        print(startup_banner(cfg, world, device, memory_plan.summary() if memory_plan else None), flush=True)
 
     model = build_model(cfg, world, device)
     optimizer = build_optimizer(model, t, device)
@@ -259,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         pending.append((step, values))
         tokens_since += global_batch * t.seq_len
 
-        if step % cfg.log.every == 0 or step == t.steps:
+        if step % cfg.log.every == 0 or step == t.steps or step == start_step + 1:  # a first sign of life
             main_loss, mtp_loss, balance_loss, grad_norm = flush()
             elapsed, clock = time.perf_counter() - clock, time.perf_counter()
             tokens_per_s = tokens_since / elapsed
@@ -298,4 +303,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -4,6 +4,9 @@ overrides. Every check that can fail on user input lives here and says what to c
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import json
+import math
 import os
 import sys
 import tomllib
@@ -18,12 +21,16 @@ class UserError(ValueError):
 
 
 def run_main(main: Callable[[], object]) -> None:
-    """Run an entry point: a UserError is one line on stderr (rank 0 only under torchrun) and exit code 2."""
+    """Run an entry point: a UserError is one line on stderr (rank 0 only under torchrun) and exit code 2.
+    A process group already set up is torn down first, so no rank waits on one that has left."""
     try:
         main()
     except UserError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
+        dist = sys.modules.get("torch.distributed")  # imported by the entry point if it uses torch at all
+        if dist is not None and dist.is_initialized():
+            dist.destroy_process_group()
         sys.exit(2)
 
 
@@ -31,40 +38,39 @@ def run_main(main: Callable[[], object]) -> None:
 class ModelConfig:
     """DeepSeek-V3 hyper-parameters, named as in DeepSeek's `ModelArgs`."""
 
-    vocab_size: int = 102400
-    dim: int = 2048
+    vocab_size: int = 102400  # tokenizer vocabulary (embedding and output-head rows)
+    dim: int = 2048  # hidden size d
     inter_dim: int = 10944  # dense SwiGLU hidden size
     moe_inter_dim: int = 1408  # per-expert SwiGLU hidden size
-    n_layers: int = 27
+    n_layers: int = 27  # transformer blocks
     n_dense_layers: int = 1  # the first layers use a dense MLP instead of MoE
-    n_heads: int = 16
+    n_heads: int = 16  # attention heads
     # MoE
-    n_routed_experts: int = 64
-    n_shared_experts: int = 2
+    n_routed_experts: int = 64  # routed experts per MoE layer
+    n_shared_experts: int = 2  # experts every token passes through
     n_activated_experts: int = 6  # top-k
-    n_expert_groups: int = 1
-    n_limited_groups: int = 1
+    n_expert_groups: int = 1  # expert groups for group-limited routing
+    n_limited_groups: int = 1  # groups a token may route to
     score_func: str = "softmax"  # "softmax" | "sigmoid"
-    route_scale: float = 1.0
+    route_scale: float = 1.0  # factor on the gate weights of the routed experts
     route_norm: bool = False  # renormalise the top-k gate weights to sum to 1 (before route_scale)
     # MLA
-    q_lora_rank: int = 0  # 0: plain wq
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
+    q_lora_rank: int = 0  # query compression rank d_c'; 0: plain wq
+    kv_lora_rank: int = 512  # key-value compression rank d_c
+    qk_nope_head_dim: int = 128  # per-head query/key dim without RoPE d_h
+    qk_rope_head_dim: int = 64  # per-head query/key dim with RoPE d_h^R
+    v_head_dim: int = 128  # per-head value dim
     # RoPE / YaRN (YaRN is on only when max_seq_len > original_seq_len)
-    max_seq_len: int = 4096
-    original_seq_len: int = 4096
-    rope_theta: float = 10000.0
-    rope_factor: float = 40.0
-    beta_fast: int = 32
-    beta_slow: int = 1
-    mscale: float = 1.0
-    # multi-token prediction depth D
-    n_mtp_layers: int = 0
-    norm_eps: float = 1e-6
-    init_std: float = 0.006
+    max_seq_len: int = 4096  # longest sequence the RoPE tables cover
+    original_seq_len: int = 4096  # pretraining context; YaRN stretches beyond it
+    rope_theta: float = 10000.0  # RoPE base
+    rope_factor: float = 40.0  # YaRN scale factor s
+    beta_fast: int = 32  # YaRN: rotations below which frequencies are interpolated
+    beta_slow: int = 1  # YaRN: rotations above which frequencies are kept
+    mscale: float = 1.0  # YaRN attention-temperature coefficient
+    n_mtp_layers: int = 0  # multi-token prediction depth D
+    norm_eps: float = 1e-6  # RMSNorm epsilon
+    init_std: float = 0.006  # standard deviation of the initial weights
 
     def __post_init__(self) -> None:
         problems = []
@@ -95,7 +101,7 @@ class ModelConfig:
                 problems.append(f"model.n_activated_experts ({self.n_activated_experts}) is larger than the "
                                 f"{reachable} experts in the {self.n_limited_groups} limited groups")
         if problems:
-            raise ValueError("invalid model config:\n  " + "\n  ".join(problems))
+            raise UserError("invalid model config: " + "; ".join(problems))
 
     @property
     def qk_head_dim(self) -> int:
@@ -123,25 +129,25 @@ FLAVORS: dict[str, ModelConfig] = {
 
 @dataclass
 class TrainConfig:
-    steps: int = 1000
+    steps: int = 1000  # optimizer steps
     global_batch: int = 32  # sequences per optimizer step, all ranks together
     micro_batch: int = 8  # sequences per rank per forward/backward
-    seq_len: int = 256
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 100
+    seq_len: int = 256  # tokens per training sequence
+    lr: float = 3e-4  # peak learning rate, > 0
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio, in [0, 1]
+    warmup_steps: int = 100  # linear warmup from 0 to lr
     decay_start: float = 0.8  # fraction of steps after which the cosine decay begins (paper §4.2)
     batch_ramp_steps: int = 0  # 0: no ramp; else global batch grows linearly from batch_ramp_start
-    batch_ramp_start: int = 0
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
+    batch_ramp_start: int = 0  # global batch at step 0 of the ramp
+    weight_decay: float = 0.1  # AdamW weight decay on matrices
+    beta1: float = 0.9  # AdamW β1, in [0, 1)
+    beta2: float = 0.95  # AdamW β2, in [0, 1)
+    grad_clip: float = 1.0  # clip the global gradient norm to this, > 0 (1e9: effectively off)
     balance_alpha: float = 1e-4  # sequence-wise balance loss weight α (0 disables)
     bias_update_speed: float = 1e-3  # aux-loss-free expert-bias step γ (0 disables)
-    mtp_lambda: float = 0.3  # MTP loss weight λ ...
-    mtp_lambda_final: float = 0.1  # ... and its value after mtp_lambda_switch of the steps (paper §4.2)
-    mtp_lambda_switch: float = 0.7
+    mtp_lambda: float = 0.3  # MTP loss weight λ until mtp_lambda_switch
+    mtp_lambda_final: float = 0.1  # MTP loss weight λ after mtp_lambda_switch (paper §4.2)
+    mtp_lambda_switch: float = 0.7  # fraction of steps after which λ drops to mtp_lambda_final
     precision: str = "bf16"  # bf16 | fp8 | mxfp8 | mxfp8-emulated
     expert_precision: str = "bf16"  # bf16 | low (the `precision` path for the routed experts)
     optimizer_state_dtype: str = "fp32"  # fp32 | bf16: AdamW's moments (the paper keeps them in bf16, §3.3)
@@ -151,15 +157,15 @@ class TrainConfig:
     activation_checkpoint: str = "none"  # none | full | selective
     loss_spike_factor: float = 3.0  # stop when the loss exceeds this × its running mean (0: off)
     grad_norm_spike_factor: float = 100.0  # the same for the grad norm (benign early spikes reach ~10×)
-    val_every: int = 100
-    val_batches: int = 8
-    seed: int = 0
+    val_every: int = 100  # validate every N steps and at the end; 0: never
+    val_batches: int = 8  # global batches per validation
+    seed: int = 0  # model init and data order
     device: str = "auto"  # auto | cpu | cuda
 
 
 @dataclass
 class DataConfig:
-    path: str = "data/stdlib"
+    path: str = "data/stdlib"  # directory of train/ and val/ token shards (scripts/prepare_data.py)
 
 
 @dataclass
@@ -169,16 +175,16 @@ class ParallelConfig:
     deepep_sms: int = 24  # SMs DeepEP's kernels take (even) when ep_backend = "deepep"; the rest compute
     # true: skip FSDP's reduce-scatter on all but the last micro-batch (less communication, but every rank holds
     # a full unsharded fp32 gradient of every parameter until the step)
-    accumulate_unsharded_grads: bool = False
+    accumulate_unsharded_grads: bool = False  # true: reduce-scatter gradients at the last micro-batch only
     gpus: int = 0  # the cluster this config is written for, as scripts/plan.py plans it (0: parallel.ep GPUs)
 
 
 @dataclass
 class CheckpointConfig:
-    dir: str = "runs/debug"
+    dir: str = "runs/debug"  # run directory: metrics.jsonl, step-N/ checkpoints, export/
     every: int = 1000  # save every N steps and at the end; 0: never (benchmarks)
     keep: int = 3  # the newest N checkpoints; 0: all
-    resume: bool = False
+    resume: bool = False  # continue from the newest checkpoint in dir (also: --resume)
     verify_checksums: bool = True  # on resume, checksum every file (sizes are always checked); off for huge runs
     export: bool = True  # safetensors + config.json at the end
     init_from: str = ""  # start from these weights: a dsv3 safetensors dir (an export, or convert_hf.py --to-dsv3)
@@ -186,18 +192,17 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
-    every: int = 10
-    # per-expert token counts [MoE layers, E] to expert_load.jsonl (and a heatmap to W&B) every N steps; 0: never.
+    every: int = 10  # print and record metrics every N steps (and at step 1)
     # Not every log step: at 671B a line is 59 × 256 counts (58 MoE layers + MTP), ~100 KB
-    expert_load_every: int = 100
-    wandb: bool = False
-    project: str = "dsv3"
-    run_name: str = ""
+    expert_load_every: int = 100  # per-expert counts to expert_load.jsonl (+ a W&B heatmap) every N steps; 0: never
+    wandb: bool = False  # also log to Weights & Biases
+    project: str = "dsv3"  # W&B project
+    run_name: str = ""  # W&B run name; empty: W&B picks one
 
 
 @dataclass
 class Config:
-    flavor: str = "debug"
+    flavor: str = "debug"  # model flavor: a name in FLAVORS
     model: dict[str, Any] = field(default_factory=dict)  # overrides of FLAVORS[flavor]
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -207,11 +212,11 @@ class Config:
 
     def model_config(self) -> ModelConfig:
         if self.flavor not in FLAVORS:
-            raise ValueError(f"unknown flavor {self.flavor!r}: choose one of {', '.join(FLAVORS)}")
+            raise UserError(f"unknown flavor {self.flavor!r}: choose one of {', '.join(FLAVORS)}")
         known = {f.name for f in fields(ModelConfig)}
         unknown = sorted(set(self.model) - known)
         if unknown:
-            raise ValueError(f"unknown model key(s) {unknown}: ModelConfig has {', '.join(sorted(known))}")
+            raise UserError(f"unknown model key(s) {unknown}: ModelConfig has {', '.join(sorted(known))}")
         return dataclasses.replace(FLAVORS[self.flavor], **self.model)
 
 
@@ -242,14 +247,14 @@ def _typed(section: str, key: str, value: Any, current: Any, text: str | None = 
     if isinstance(current, str) and text is not None and not isinstance(value, str):
         return text
     if isinstance(current, bool) and not isinstance(value, bool):
-        raise ValueError(f"{section}.{key} must be true or false, got {value!r}")
+        raise UserError(f"{section}.{key} must be true or false, got {value!r}")
     if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if type(value) is not type(current):
         example = f""" (in TOML syntax: --{section}.{key}='["a", "b"]')""" if isinstance(current, list) else ""
-        raise ValueError(f"{section}.{key} must be a {type(current).__name__}{example}, got {value!r}")
+        raise UserError(f"{section}.{key} must be a {type(current).__name__}{example}, got {value!r}")
     if isinstance(value, list) and not all(isinstance(item, str) and item for item in value):
-        raise ValueError(f"{section}.{key} must be a list of non-empty strings, got {value!r}")
+        raise UserError(f"{section}.{key} must be a list of non-empty strings, got {value!r}")
     return value
 
 
@@ -262,20 +267,20 @@ def _set(cfg: Config, section: str, key: str, value: Any, text: str | None = Non
         return
     if section == "":
         if key != "flavor":
-            raise ValueError(f"unknown top-level key {key!r}: only `flavor` sits outside a [section]")
+            raise UserError(f"unknown top-level key {key!r}: only `flavor` sits outside a [section]")
         cfg.flavor = _typed(section, key, value, cfg.flavor, text) if text is not None else value
         return
     if section not in _SECTIONS:
-        raise ValueError(f"unknown config section {section!r} (key {key!r}): sections are "
-                         f"flavor, model, {', '.join(_SECTIONS)}")
+        raise UserError(f"unknown config section {section!r} (key {key!r}): sections are "
+                        f"flavor, model, {', '.join(_SECTIONS)}")
     target = getattr(cfg, section)
     types = {f.name: f.type for f in fields(target)}
     if key not in types:
-        raise ValueError(f"unknown key {section}.{key}: {section} has {', '.join(sorted(types))}")
+        raise UserError(f"unknown key {section}.{key}: {section} has {', '.join(sorted(types))}")
     value = _typed(section, key, value, getattr(target, key), text)
     choices = _CHOICES.get((section, key))
     if choices and value not in choices:
-        raise ValueError(f"{section}.{key} must be one of {', '.join(choices)}, got {value!r}")
+        raise UserError(f"{section}.{key} must be one of {', '.join(choices)}, got {value!r}")
     setattr(target, key, value)
 
 
@@ -283,8 +288,14 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     """Defaults ← TOML file ← `--section.key=value` overrides; validated before anything is built."""
     cfg = Config()
     if path is not None:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
+        try:
+            with open(path, "rb") as f:
+                doc = tomllib.load(f)
+        except FileNotFoundError:
+            raise UserError(f"config file {path} not found: pass an existing TOML file to --config, "
+                            "e.g. configs/debug.toml") from None
+        except tomllib.TOMLDecodeError as e:  # its message ends "(at line L, column C)"
+            raise UserError(f"{path} is not valid TOML: {e}") from None
         for section, body in doc.items():
             if not isinstance(body, dict):  # top-level keys: only `flavor`
                 _set(cfg, "", section, body)
@@ -293,7 +304,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
                 _set(cfg, section, key, value)
     for arg in overrides:
         if not arg.startswith("--") or "=" not in arg:
-            raise ValueError(f"bad override {arg!r}: write --section.key=value, e.g. --train.lr=3e-4")
+            raise UserError(f"bad override {arg!r}: write --section.key=value, e.g. --train.lr=3e-4")
         dotted, text = arg[2:].split("=", 1)
         section, _, key = dotted.rpartition(".")
         _set(cfg, section, key, _parse_value(text), text)
@@ -307,20 +318,69 @@ def validate(cfg: Config) -> None:
     for name, value, least in (("train.steps", t.steps, 1), ("train.global_batch", t.global_batch, 1),
                                ("train.micro_batch", t.micro_batch, 1), ("train.seq_len", t.seq_len, 1),
                                ("train.warmup_steps", t.warmup_steps, 0), ("train.val_every", t.val_every, 0),
-                               ("train.val_batches", t.val_batches, 1), ("log.every", cfg.log.every, 1),
+                               ("train.val_batches", t.val_batches, 1), ("train.seed", t.seed, 0),
+                               ("train.batch_ramp_steps", t.batch_ramp_steps, 0),
+                               ("train.batch_ramp_start", t.batch_ramp_start, 0),
+                               ("train.weight_decay", t.weight_decay, 0), ("train.balance_alpha", t.balance_alpha, 0),
+                               ("train.bias_update_speed", t.bias_update_speed, 0),
+                               ("train.mtp_lambda", t.mtp_lambda, 0), ("train.mtp_lambda_final", t.mtp_lambda_final, 0),
+                               ("log.every", cfg.log.every, 1), ("log.expert_load_every", cfg.log.expert_load_every, 0),
                                ("checkpoint.every", cfg.checkpoint.every, 0),
                                ("checkpoint.keep", cfg.checkpoint.keep, 0)):
-        if value < least:
-            raise ValueError(f"{name} must be >= {least}, got {value}")
+        if not value >= least:  # `not >=` also catches nan
+            raise UserError(f"{name} must be >= {least}, got {value}")
+    for name, value in (("train.min_lr_ratio", t.min_lr_ratio), ("train.decay_start", t.decay_start),
+                        ("train.mtp_lambda_switch", t.mtp_lambda_switch)):
+        if not 0 <= value <= 1:
+            raise UserError(f"{name} is a fraction and must be in [0, 1], got {value}")
+    for name, value in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+        if not 0 <= value < 1:
+            raise UserError(f"{name} must be in [0, 1), got {value}")
+    if not 0 < t.lr < math.inf:
+        raise UserError(f"train.lr must be > 0, got {t.lr}")
+    if not 0 < t.grad_clip < math.inf:  # 0 would zero every gradient, a negative one flip their sign
+        raise UserError(f"train.grad_clip must be > 0, got {t.grad_clip}: it is the largest global gradient norm "
+                        "kept; for no clipping set a large value, e.g. 1e9")
     if t.seq_len > mc.max_seq_len:
-        raise ValueError(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({mc.max_seq_len})")
+        raise UserError(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({mc.max_seq_len})")
     if t.global_batch % t.micro_batch:
-        raise ValueError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch "
-                         f"({t.micro_batch})")
+        raise UserError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch "
+                        f"({t.micro_batch})")
     if t.batch_ramp_steps and not 0 < t.batch_ramp_start <= t.global_batch:
-        raise ValueError("train.batch_ramp_start must be in (0, train.global_batch] when batch_ramp_steps > 0")
+        raise UserError("train.batch_ramp_start must be in (0, train.global_batch] when batch_ramp_steps > 0")
     for name in ("loss_spike_factor", "grad_norm_spike_factor"):
         if getattr(t, name) and getattr(t, name) <= 1:
-            raise ValueError(f"train.{name} must be 0 (off) or > 1, got {getattr(t, name)}")
+            raise UserError(f"train.{name} must be 0 (off) or > 1, got {getattr(t, name)}")
     if cfg.parallel.ep < 1:
-        raise ValueError(f"parallel.ep must be >= 1, got {cfg.parallel.ep}")
+        raise UserError(f"parallel.ep must be >= 1, got {cfg.parallel.ep}")
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """A config dataclass's one-line meaning of each field: the comment ending the field's line."""
+    meanings = {}
+    for line in inspect.getsource(cls).splitlines():
+        name, colon, rest = line.strip().partition(":")
+        if colon and name.isidentifier() and "  # " in rest:
+            meanings[name] = rest.split("  # ", 1)[1]
+    return meanings
+
+
+def help_text() -> str:
+    """`train.py --help`: usage, then every config key with its default and meaning, by section."""
+    lines = ["usage: python train.py [--config FILE.toml] [--section.key=value ...] [--resume]",
+             "       torchrun --nproc_per_node=N train.py ... (the same arguments)",
+             "",
+             "Defaults ← the TOML file ← --section.key=value overrides (TOML syntax: --train.lr=3e-4,",
+             "--train.precision_skip='[\"wo\"]'); --resume is --checkpoint.resume=true.",
+             "",
+             f"flavor = {json.dumps(Config.flavor)}  # {field_help(Config)['flavor']} ({', '.join(FLAVORS)})",
+             "",
+             "[model]  # single-field overrides of the flavor; defaults shown are the 16B flavor's"]
+    sections = [("model", ModelConfig())] + [(name, getattr(Config(), name)) for name in _SECTIONS]
+    for section, defaults in sections:
+        if section != "model":
+            lines += ["", f"[{section}]"]
+        meanings = field_help(type(defaults))
+        for f in fields(defaults):
+            lines.append(f"  {f.name} = {json.dumps(getattr(defaults, f.name))}  # {meanings[f.name]}")
+    return "\n".join(lines)

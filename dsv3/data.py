@@ -12,6 +12,8 @@ import numpy as np
 import sentencepiece as spm
 import torch
 
+from dsv3.config import UserError
+
 
 class Tokenizer:
     """A sentencepiece model; ids are plain ints, no BOS/EOS added by encode."""
@@ -19,7 +21,7 @@ class Tokenizer:
     def __init__(self, path: str | Path):
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(
+            raise UserError(
                 f"tokenizer {path} not found; train one with `python scripts/train_tokenizer.py`"
             )
         self.path = path
@@ -41,7 +43,7 @@ class Tokenizer:
 def read_index(split_dir: str | Path) -> dict:
     index_path = Path(split_dir) / "index.json"
     if not index_path.is_file():
-        raise FileNotFoundError(
+        raise UserError(
             f"no token shards at {index_path}; write them with `python scripts/prepare_data.py`"
         )
     return json.loads(index_path.read_text())
@@ -117,7 +119,7 @@ class PackedLoader:
         n_tokens = int(self.shard_starts[-1])
         self.num_sequences = (n_tokens - 1) // seq_len
         if self.num_sequences < 1:
-            raise ValueError(
+            raise UserError(
                 f"{split_dir} has {n_tokens} tokens, fewer than one sequence of seq_len + 1 = "
                 f"{seq_len + 1}; use a shorter seq_len or more data"
             )
@@ -170,7 +172,7 @@ class PackedLoader:
         # A different seq_len or dataset would silently replay other data; refuse instead.
         for key in ("seq_len", "num_sequences"):
             if key in state and int(state[key]) != getattr(self, key):
-                raise ValueError(
+                raise UserError(
                     f"loader state has {key}={int(state[key])} but this loader has "
                     f"{getattr(self, key)}; resume with the same data and seq_len"
                 )

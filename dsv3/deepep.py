@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dsv3.config import UserError
 from dsv3.moe import combine_token_copies, pad_groups
 
 SUPPORTED_EP = (2, 4, 8)  # DeepEP's intranode (NVLink) kernels; more ranks need its NVSHMEM internode build
@@ -41,16 +42,16 @@ def check(ep: int, device: torch.device, num_sms: int = 24, local_world: int | N
     (`local_world`: processes per host, when known)."""
     fallback = "or use --parallel.ep_backend=all_to_all"
     if device.type != "cuda":
-        raise ValueError(f"parallel.ep_backend=deepep needs CUDA GPUs joined by NVLink, not {device.type}: {fallback}")
+        raise UserError(f"parallel.ep_backend=deepep needs CUDA GPUs joined by NVLink, not {device.type}: {fallback}")
     if ep not in SUPPORTED_EP:
-        raise ValueError(f"parallel.ep_backend=deepep runs DeepEP's intranode kernels, which support an EP size of "
-                         f"{', '.join(map(str, SUPPORTED_EP))} (all on one host), not parallel.ep={ep}: set "
-                         f"--parallel.ep to one of those, {fallback}")
+        raise UserError(f"parallel.ep_backend=deepep runs DeepEP's intranode kernels, which support an EP size of "
+                        f"{', '.join(map(str, SUPPORTED_EP))} (all on one host), not parallel.ep={ep}: set "
+                        f"--parallel.ep to one of those, {fallback}")
     if local_world is not None and local_world % ep:
-        raise ValueError(f"parallel.ep_backend=deepep needs each EP group on one host, but parallel.ep={ep} does not "
-                         f"divide the {local_world} processes per host: pick an ep that does, {fallback}")
+        raise UserError(f"parallel.ep_backend=deepep needs each EP group on one host, but parallel.ep={ep} does not "
+                        f"divide the {local_world} processes per host: pick an ep that does, {fallback}")
     if num_sms <= 0 or num_sms % 2:
-        raise ValueError(f"parallel.deepep_sms must be a positive even number, got {num_sms}")
+        raise UserError(f"parallel.deepep_sms must be a positive even number, got {num_sms}")
     try:
         import deep_ep  # noqa: F401
     except ImportError as e:
@@ -61,7 +62,8 @@ def check(ep: int, device: torch.device, num_sms: int = 24, local_world: int | N
 
 def get_buffer(group: dist.ProcessGroup, dim: int, num_sms: int = 24):
     """The process's one DeepEP buffer for tokens of `dim` bf16 values, NVLink part only (`num_rdma_bytes=0`):
-    sized from DeepEP's own hints for its dispatch and combine configs. Never ask for RDMA hints (DESIGN.md)."""
+    sized from DeepEP's own hints for its dispatch and combine configs. Never ask for RDMA hints: an intranode
+    build cannot serve them."""
     global _buffer
     from deep_ep import Buffer
 

@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from dsv3.config import ModelConfig
+from dsv3.config import Config, ModelConfig
 
 
 def active_matmul_params(cfg: ModelConfig) -> int:
@@ -56,6 +56,52 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     n_attention_layers = cfg.n_layers + cfg.n_mtp_layers
     attention = 3 * n_attention_layers * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len
     return float(6 * active_matmul_params(cfg) + attention)
+
+
+def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(total, activated) parameters of `Transformer(cfg)`, from the config alone. Activated: all but the
+    routed experts a token is not sent to, (n_routed − top-k) per MoE block, MTP blocks included."""
+    d = cfg.dim
+    q = d * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * cfg.n_heads * cfg.qk_head_dim if cfg.q_lora_rank \
+        else d * cfg.n_heads * cfg.qk_head_dim
+    attn = (q + d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank  # wkv_a, kv_norm
+            + cfg.kv_lora_rank * cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+            + cfg.n_heads * cfg.v_head_dim * d)
+    expert = 3 * d * cfg.moe_inter_dim
+    moe = d * cfg.n_routed_experts + cfg.n_routed_experts * expert + cfg.n_shared_experts * expert
+    block_norms = 2 * d
+    n_moe_blocks = cfg.n_layers - cfg.n_dense_layers + cfg.n_mtp_layers
+    total = (2 * cfg.vocab_size * d + d  # embedding, head, final norm
+             + (cfg.n_layers + cfg.n_mtp_layers) * (attn + block_norms)
+             + cfg.n_dense_layers * 3 * d * cfg.inter_dim + n_moe_blocks * moe
+             + cfg.n_mtp_layers * (2 * d + 2 * d * d + d))  # enorm, hnorm, eh_proj, norm
+    return total, total - n_moe_blocks * (cfg.n_routed_experts - cfg.n_activated_experts) * expert
+
+
+def startup_banner(cfg: Config, world: int, device: torch.device, memory_plan: str | None) -> str:
+    """The run at a glance, printed before the model is built: what trains, how it is laid out, where it
+    reads and writes. `memory_plan`: the planner's one-line per-GPU estimate (dsv3.plan), on GPUs."""
+    mc, t, p = cfg.model_config(), cfg.train, cfg.parallel
+    total, activated = parameter_counts(mc)
+    micro_batches = t.global_batch // (t.micro_batch * world)
+    precision = "fp32" if device.type == "cpu" and t.precision == "bf16" else t.precision  # bf16: the GPU path
+    if t.expert_precision == "low":
+        precision += ", routed experts too"
+
+    def count(n: int) -> str:
+        return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+    lines = [f"model   {cfg.flavor}: {count(total)} parameters, {count(activated)} activated per token; "
+             f"{mc.n_layers} layers ({mc.n_dense_layers} dense), {mc.n_routed_experts} routed experts top-"
+             f"{mc.n_activated_experts}, MTP depth {mc.n_mtp_layers}",
+             f"batch   {t.global_batch} sequences × {t.seq_len} tokens = {t.global_batch * t.seq_len:,} tokens/step, "
+             f"{t.steps} steps; {micro_batches} × {t.micro_batch} sequences per rank and step",
+             f"layout  world {world} on {device.type}, ep {p.ep} ({p.ep_backend}); precision {precision}; "
+             f"activation checkpointing {t.activation_checkpoint}; compile {'on' if t.compile else 'off'}"]
+    if memory_plan is not None:
+        lines.append(f"memory  {memory_plan}")
+    lines.append(f"paths   data {cfg.data.path} → run dir {cfg.checkpoint.dir}")
+    return "\n".join(lines)
 
 
 # Dense (no sparsity) bf16 tensor-core peak per GPU, from the vendors' datasheets. Matched in order by

@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from dsv3.config import ModelConfig
 from dsv3.moe import MLP, MoE
 
-# d_v != d_qk rules out flash; cuDNN is ~10x faster than the "efficient" fallback on H100 (DESIGN.md).
+# d_v != d_qk rules out flash; cuDNN is ~10x faster than the "efficient" fallback on H100 (README, "Performance").
 _CUDA_ATTENTION_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 

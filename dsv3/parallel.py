@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from dsv3 import deepep
+from dsv3.config import UserError
 from dsv3.model import Transformer
 from dsv3.moe import LocalDispatcher, MoE, combine_token_copies, pad_groups
 
@@ -31,25 +32,28 @@ def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
     """(rank, world size, device) from torchrun's environment; a single process when run plainly."""
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no CUDA GPU is visible: use --train.device=cpu")
+        raise UserError("train.device=cuda but no CUDA GPU is visible: use --train.device=cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    this_device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        # The device before the group and the meshes: they, and barrier(), then know it instead of guessing.
+        torch.cuda.set_device(this_device)
+        torch.set_float32_matmul_precision("high")  # TF32 for the few fp32 matmuls left (compute is bf16)
     if "WORLD_SIZE" not in os.environ:
         if use_cuda and not dist.is_initialized():  # FSDP2 (our bf16 mixed precision) needs a group, even of one
-            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-        return 0, 1, torch.device("cuda" if use_cuda else "cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=this_device)
+        return 0, 1, this_device
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    return dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=this_device if use_cuda else None)
+    return dist.get_rank(), dist.get_world_size(), this_device
 
 
 def check_ep(ep: int, world: int, n_routed_experts: int) -> None:
     if ep < 1 or world % ep:
-        raise ValueError(f"parallel.ep={ep} must divide the world size {world}: pick one of "
-                         f"{[d for d in range(1, world + 1) if world % d == 0]}")
+        raise UserError(f"parallel.ep={ep} must divide the world size {world}: pick one of "
+                        f"{[d for d in range(1, world + 1) if world % d == 0]}")
     if n_routed_experts % ep:
-        raise ValueError(f"parallel.ep={ep} must divide model.n_routed_experts={n_routed_experts}")
+        raise UserError(f"parallel.ep={ep} must divide model.n_routed_experts={n_routed_experts}")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Low-precision training (DESIGN.md "Precision"), applied to the built model from outside, after it is built
+"""Low-precision training (paper §3.3, README "Precision"), applied to the built model from outside, after it is built
 and before expert parallelism, activation checkpointing, compile and FSDP2. torchao 0.18 is called directly,
 each call in one function named for what it does, and imported only here, only when a mode needs it.
 
@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from dsv3.config import UserError
 from dsv3.moe import MoE
 
 PRECISIONS = ("bf16", "fp8", "mxfp8", "mxfp8-emulated")
@@ -46,7 +47,7 @@ def _check_modes(precision: str, expert_precision: str, fp8_recipe: str = "rowwi
                                 ("expert_precision", expert_precision, EXPERT_PRECISIONS),
                                 ("fp8_recipe", fp8_recipe, FP8_RECIPES)):
         if value not in choices:
-            raise ValueError(f"unknown train.{key}={value!r}: choose one of {', '.join(choices)}")
+            raise UserError(f"unknown train.{key}={value!r}: choose one of {', '.join(choices)}")
 
 
 def check_precision(precision: str, expert_precision: str, device: torch.device, tokens: int = 0) -> None:
@@ -56,24 +57,24 @@ def check_precision(precision: str, expert_precision: str, device: torch.device,
     if precision == "bf16":
         return
     if tokens % FEATURE_MULTIPLE[precision]:
-        raise ValueError(f"train.precision={precision} needs train.micro_batch × train.seq_len ({tokens}) to be a "
-                         f"multiple of {FEATURE_MULTIPLE[precision]}: the weight gradient's GEMM runs over the tokens "
-                         f"{'in blocks of 32' if precision != 'fp8' else '(inner dim of _scaled_mm)'}")
+        raise UserError(f"train.precision={precision} needs train.micro_batch × train.seq_len ({tokens}) to be a "
+                        f"multiple of {FEATURE_MULTIPLE[precision]}: the weight gradient's GEMM runs over the tokens "
+                        f"{'in blocks of 32' if precision != 'fp8' else '(inner dim of _scaled_mm)'}")
     if precision == "mxfp8":
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         if capability is None or capability[0] != 10:
             where = f"compute capability {capability[0]}.{capability[1]}" if capability else "a CPU"
-            raise ValueError(f"train.precision=mxfp8 needs a compute-capability-10 GPU (B200/GB200), not {where}: "
-                             "use --train.precision=fp8 (Hopper/Ada) or --train.precision=mxfp8-emulated "
-                             "(MXFP8 numerics anywhere, no speed-up)")
+            raise UserError(f"train.precision=mxfp8 needs a compute-capability-10 GPU (B200/GB200), not {where}: "
+                            "use --train.precision=fp8 (Hopper/Ada) or --train.precision=mxfp8-emulated "
+                            "(MXFP8 numerics anywhere, no speed-up)")
     if precision == "fp8":
         if device.type != "cuda":
-            raise ValueError("train.precision=fp8 needs a CUDA GPU (compute capability >= 8.9): on a CPU use "
-                             "--train.precision=bf16, or --train.precision=mxfp8-emulated for low-precision numerics")
+            raise UserError("train.precision=fp8 needs a CUDA GPU (compute capability >= 8.9): on a CPU use "
+                            "--train.precision=bf16, or --train.precision=mxfp8-emulated for low-precision numerics")
         capability = torch.cuda.get_device_capability(device)
         if capability < (8, 9):
-            raise ValueError(f"train.precision=fp8 needs compute capability >= 8.9 (Ada, Hopper, Blackwell); this "
-                             f"GPU has {capability[0]}.{capability[1]}: use --train.precision=bf16 or mxfp8-emulated")
+            raise UserError(f"train.precision=fp8 needs compute capability >= 8.9 (Ada, Hopper, Blackwell); this "
+                            f"GPU has {capability[0]}.{capability[1]}: use --train.precision=bf16 or mxfp8-emulated")
     try:
         if precision == "fp8":
             import torchao.float8  # noqa: F401
@@ -91,9 +92,9 @@ def check_precision(precision: str, expert_precision: str, device: torch.device,
     if precision == "mxfp8" and expert_precision == "low":
         from torchao.prototype.moe_training import mxfp8_grouped_mm
         if not mxfp8_grouped_mm._SM100_KERNELS_AVAILABLE:
-            raise ValueError("train.expert_precision=low with mxfp8 needs torchao's SM100 kernels (a CUDA 12.8+ "
-                             "build of torchao), which did not load: use --train.precision=mxfp8-emulated or "
-                             "--train.expert_precision=bf16")
+            raise UserError("train.expert_precision=low with mxfp8 needs torchao's SM100 kernels (a CUDA 12.8+ "
+                            "build of torchao), which did not load: use --train.precision=mxfp8-emulated or "
+                            "--train.expert_precision=bf16")
 
 
 def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_recipe: str = "rowwise",
@@ -115,8 +116,8 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
                 and m.out_features % FEATURE_MULTIPLE[precision] == 0]
     for fragment in skip:
         if not any(fragment in name for name in eligible):
-            raise ValueError(f"train.precision_skip: {fragment!r} names none of the linears that {precision} "
-                             f"converts, e.g. {', '.join(eligible[:4])}: fix the spelling or drop it")
+            raise UserError(f"train.precision_skip: {fragment!r} names none of the linears that {precision} "
+                            f"converts, e.g. {', '.join(eligible[:4])}: fix the spelling or drop it")
     names = [name for name in eligible if not any(fragment in name for fragment in skip)]
     if precision == "fp8":
         convert_to_fp8_training(model, names, fp8_recipe)
@@ -133,9 +134,9 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
             dim, inter_dim = moe.experts.w2.shape[1:]
             if dim % FEATURE_MULTIPLE[precision] or inter_dim % FEATURE_MULTIPLE[precision]:
-                raise ValueError(f"train.expert_precision=low with {precision} needs model.dim ({dim}) and "
-                                 f"model.moe_inter_dim ({inter_dim}) divisible by {FEATURE_MULTIPLE[precision]}: "
-                                 "change them or use --train.expert_precision=bf16")
+                raise UserError(f"train.expert_precision=low with {precision} needs model.dim ({dim}) and "
+                                f"model.moe_inter_dim ({inter_dim}) divisible by {FEATURE_MULTIPLE[precision]}: "
+                                "change them or use --train.expert_precision=bf16")
             moe.experts.grouped_mm = gemm
             moe.dispatcher.align = GROUP_ALIGN[precision]
     return names

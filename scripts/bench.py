@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train  # noqa: E402
 from dsv3 import parallel  # noqa: E402
-from dsv3.config import load_config  # noqa: E402
+from dsv3.config import load_config, run_main  # noqa: E402
 from dsv3.metrics import flops_per_token, memory_stats, mfu, peak_flops  # noqa: E402
 
 # First match wins: kernel-name fragments (lower case) → phase.
@@ -152,4 +152,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

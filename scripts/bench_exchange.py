@@ -23,6 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dsv3 import deepep, parallel  # noqa: E402
+from dsv3.config import run_main  # noqa: E402
 
 
 def time_layer(dispatcher, x0: torch.Tensor, topk_idx: torch.Tensor, weights0: torch.Tensor,
@@ -98,4 +99,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file without installing dsv3
+from dsv3.config import UserError, run_main  # noqa: E402
 from dsv3.hf import (FromHF, check_dsv3_keys, check_hf_keys, check_hf_represents, config_from_hf,  # noqa: E402
                      config_to_hf, load_config_json, save_config, tensor_to_hf)
 
@@ -38,14 +39,14 @@ def find_shards(src: Path) -> list[Path]:
         return [src / n for n in names]
     shards = sorted(src.glob("*.safetensors"))
     if not shards:
-        raise SystemExit(f"no *.safetensors shards in {src}; point at a checkpoint directory.")
+        raise UserError(f"no *.safetensors shards in {src}; point at a checkpoint directory.")
     return shards
 
 
 def config_path(src: Path) -> Path:
     path = src / "config.json"
     if not path.exists():
-        raise SystemExit(f"{path} not found: a checkpoint directory needs its config.json beside the shards.")
+        raise UserError(f"{path} not found: a checkpoint directory needs its config.json beside the shards.")
     return path
 
 
@@ -122,7 +123,7 @@ def current_umask() -> int:
 def open_output(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if any(out.glob("*.safetensors")):
-        raise SystemExit(f"{out} already holds *.safetensors shards; pick an empty output directory.")
+        raise UserError(f"{out} already holds *.safetensors shards; pick an empty output directory.")
 
 
 def to_dsv3(src: Path, out: Path, max_bytes: int) -> None:
@@ -180,8 +181,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             to_hf(*args.to_hf, max_bytes, args.fused_experts, args.allow_lossy)
     except ValueError as e:  # config or key mismatch, explained by dsv3.hf
-        raise SystemExit(str(e)) from None
+        raise UserError(str(e)) from None
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

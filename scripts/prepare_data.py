@@ -232,10 +232,7 @@ def prepare(
     whole document falls to it (a one-document corpus), it gets the last val_fraction of the train tokens."""
     if not 0 <= val_fraction <= 0.5:
         raise UserError(f"--val-fraction {val_fraction} is outside [0, 0.5]; pick e.g. 0.01.")
-    try:
-        tokenizer = Tokenizer(tokenizer_path)
-    except FileNotFoundError as e:
-        raise UserError(str(e)) from None
+    tokenizer = Tokenizer(tokenizer_path)
     dtype = dtype or ("uint16" if tokenizer.vocab_size <= 65535 else "uint32")
     if tokenizer.vocab_size > np.iinfo(dtype).max:
         raise UserError(

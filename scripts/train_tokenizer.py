@@ -18,6 +18,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file without installing dsv3
+from dsv3.config import run_main  # noqa: E402
 from scripts.prepare_data import iter_documents  # noqa: E402
 
 
@@ -95,4 +96,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -43,10 +43,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_vars(rank: int, world: int, port: int) -> dict[str, str]:
+    """The environment variables torchrun gives rank `rank` of `world` processes on one host."""
+    return dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+
+
 def torchrun_env(rank: int, world: int, port: int) -> None:
-    """The environment torchrun gives rank `rank` of `world` processes on one host."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    """Make this process rank `rank` of `world`, as torchrun would."""
+    os.environ.update(torchrun_vars(rank, world, port))
 
 
 def load_export(export_dir: Path) -> dict[str, torch.Tensor]:

@@ -34,9 +34,6 @@ ARGS = ["--config", str(ROOT / "configs" / "debug.toml"), f"--data.path={DATA}",
         "--train.warmup_steps=2", "--train.decay_start=0.5", "--train.val_every=0", "--log.every=1",
         f"--checkpoint.every={SAVED_AT}", "--checkpoint.export=false"]
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
 def _rank_main(rank: int, world: int, port: int, argv: list[str]) -> None:
     """One rank of `torchrun --nproc_per_node=world train.py argv`."""
     torchrun_env(rank, world, port)

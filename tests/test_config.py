@@ -1,13 +1,14 @@
-"""Config specification: the flavor table of DESIGN.md, validation errors that name the field to change,
+"""Config specification: the flavors' published shapes, validation errors that name the field to change,
 and TOML + `--section.key=value` loading."""
 
 import dataclasses
 
 import pytest
 
-from dsv3.config import FLAVORS, ModelConfig, load_config
+from dsv3.config import FLAVORS, Config, ModelConfig, TrainConfig, UserError, field_help, help_text, load_config
 
-# DESIGN.md "Flavors"; every flavor also has d_n 128, d_r 64, d_v 128, d_c 512.
+# DeepSeek-V3 (paper §4.2) and the V2-Lite-shaped 16B (torchtitan's "16B"); every flavor also has d_n 128,
+# d_r 64, d_v 128, d_c 512.
 FLAVOR_TABLE = {
     "16B": dict(vocab_size=102400, dim=2048, inter_dim=10944, moe_inter_dim=1408, n_layers=27, n_dense_layers=1,
                 n_heads=16, n_routed_experts=64, n_shared_experts=2, n_activated_experts=6, n_expert_groups=1,
@@ -23,8 +24,8 @@ def debug_with(**changes) -> ModelConfig:
 
 
 def problems_of(error: pytest.ExceptionInfo) -> list[str]:
-    """The individual complaints of an 'invalid model config' error, one per line after the first."""
-    return [line.strip() for line in str(error.value).splitlines()[1:]]
+    """The individual complaints of the one-line 'invalid model config: a; b' error."""
+    return str(error.value).removeprefix("invalid model config: ").split("; ")
 
 
 # ---------------------------------------------------------------------------------------------- flavors
@@ -202,3 +203,63 @@ def test_invalid_model_override_is_caught_when_loading():
         load_config(None, ["--model.n_limited_groups=5"])
     with pytest.raises(ValueError, match="train.seq_len"):
         load_config(None, ["--train.seq_len=4096"])  # longer than the debug model's max_seq_len
+
+
+# ---------------------------------------------------------------------------------------------- [train] ranges
+
+
+@pytest.mark.parametrize("override,field", [
+    ("lr=0", "train.lr"), ("lr=-1", "train.lr"), ("lr=nan", "train.lr"), ("lr=inf", "train.lr"),
+    ("min_lr_ratio=-0.1", "train.min_lr_ratio"), ("min_lr_ratio=1.5", "train.min_lr_ratio"),
+    ("decay_start=-0.5", "train.decay_start"), ("decay_start=1.01", "train.decay_start"),
+    ("mtp_lambda_switch=2", "train.mtp_lambda_switch"), ("mtp_lambda_switch=nan", "train.mtp_lambda_switch"),
+    ("grad_clip=0", "train.grad_clip"), ("grad_clip=-1", "train.grad_clip"),
+    ("weight_decay=-0.1", "train.weight_decay"), ("beta1=1", "train.beta1"), ("beta2=-0.1", "train.beta2"),
+    ("bias_update_speed=-1e-3", "train.bias_update_speed"), ("balance_alpha=-1e-4", "train.balance_alpha"),
+    ("mtp_lambda=-0.3", "train.mtp_lambda"), ("mtp_lambda_final=-0.1", "train.mtp_lambda_final"),
+    ("seed=-1", "train.seed"), ("warmup_steps=-1", "train.warmup_steps"), ("steps=0", "train.steps"),
+    ("batch_ramp_steps=-5", "train.batch_ramp_steps"),
+])
+def test_out_of_range_train_value_is_an_error_naming_it(override, field):
+    with pytest.raises(UserError, match=f"^{field} "):
+        load_config(None, [f"--train.{override}"])
+
+
+@pytest.mark.parametrize("override", ["min_lr_ratio=0", "min_lr_ratio=1", "decay_start=0", "decay_start=1",
+                                      "mtp_lambda_switch=0", "beta1=0", "weight_decay=0", "balance_alpha=0",
+                                      "bias_update_speed=0", "mtp_lambda=0", "grad_clip=1e9", "warmup_steps=0"])
+def test_boundary_train_values_are_accepted(override):
+    load_config(None, [f"--train.{override}"])
+
+
+# ---------------------------------------------------------------------------------------------- files and --help
+
+
+def test_toml_syntax_error_names_the_file_and_line(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text('flavor = "debug"\n[train]\nlr = = 3e-4\n')
+    with pytest.raises(UserError, match=r"broken\.toml is not valid TOML: .*line 3"):
+        load_config(str(path))
+
+
+def test_missing_config_file_is_an_error_naming_it(tmp_path):
+    with pytest.raises(UserError, match=r"config file .*nope\.toml not found"):
+        load_config(str(tmp_path / "nope.toml"))
+
+
+def test_every_config_key_has_a_one_line_meaning():
+    for cls in (Config, ModelConfig, TrainConfig, *(type(getattr(Config(), s)) for s in
+                                                   ("data", "parallel", "checkpoint", "log"))):
+        keys = [f.name for f in dataclasses.fields(cls) if cls is not Config or f.name in ("flavor", "model")]
+        assert [key for key in keys if not field_help(cls).get(key)] == [], cls.__name__
+
+
+def test_help_lists_every_section_key_with_its_default_and_meaning():
+    text = help_text()
+    assert text.startswith("usage: ")
+    for section in ("[model]", "[train]", "[data]", "[parallel]", "[checkpoint]", "[log]"):
+        assert section in text
+    assert "  lr = 0.0003  # peak learning rate" in text
+    assert '  precision = "bf16"  # bf16 | fp8' in text
+    assert "  n_routed_experts = 64  # routed experts per MoE layer" in text
+    assert "  resume = false  #" in text

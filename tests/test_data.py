@@ -221,14 +221,14 @@ def test_uint16_shards_refuse_a_vocab_over_65535(tmp_path, monkeypatch):
 
 
 def test_missing_tokenizer_names_the_script_that_trains_one(tmp_path):
-    with pytest.raises(FileNotFoundError, match="scripts/train_tokenizer.py"):
+    with pytest.raises(UserError, match="scripts/train_tokenizer.py"):
         Tokenizer(tmp_path / "nope.model")
     with pytest.raises(UserError, match="scripts/train_tokenizer.py"):
         prepare([str(write_txt(tmp_path / "txt", DOCS))], str(tmp_path / "nope.model"), str(tmp_path / "out"))
 
 
 def test_missing_data_dir_names_the_script_that_writes_it(tmp_path):
-    with pytest.raises(FileNotFoundError, match="scripts/prepare_data.py"):
+    with pytest.raises(UserError, match="scripts/prepare_data.py"):
         PackedLoader(str(tmp_path / "nowhere"), "train", 16)
 
 

@@ -286,14 +286,14 @@ def test_convert_script_round_trips_sharded_checkpoints(tmp_path):
 
 def test_convert_script_errors_are_clear(tmp_path):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit, match="config.json not found"):
+    with pytest.raises(UserError, match="config.json not found"):
         convert_hf.main(["--to-dsv3", str(tmp_path / "empty"), str(tmp_path / "out")])
     (tmp_path / "empty" / "config.json").write_text(json.dumps(config_to_hf(TINY)))
-    with pytest.raises(SystemExit, match="no \\*.safetensors shards"):
+    with pytest.raises(UserError, match="no \\*.safetensors shards"):
         convert_hf.main(["--to-dsv3", str(tmp_path / "empty"), str(tmp_path / "out")])
     hf = state_dict_to_hf(random_ours(), TINY) | {"model.layers.0.self_attn.q_a_proj.weight_scale_inv": torch.ones(1)}
     write_hf_checkpoint(tmp_path / "fp8", hf, config_to_hf(TINY))
-    with pytest.raises(SystemExit, match="1 unknown: .*weight_scale_inv.*dequantize"):
+    with pytest.raises(UserError, match="1 unknown: .*weight_scale_inv.*dequantize"):
         convert_hf.main(["--to-dsv3", str(tmp_path / "fp8"), str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()  # checked before anything is written
 

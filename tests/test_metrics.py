@@ -2,6 +2,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -10,10 +11,10 @@ import time
 import pytest
 import torch
 
-from dsv3.config import FLAVORS
+from dsv3.config import FLAVORS, load_config
+from dsv3.plan import plan
 from dsv3.metrics import (DivergenceGuard, MetricsLogger, _wandb_mode, active_matmul_params, expert_load_stats,
-                          flops_per_token,
-                          mfu, peak_flops)
+                          flops_per_token, mfu, parameter_counts, peak_flops, startup_banner)
 from dsv3.model import Transformer
 
 
@@ -36,6 +37,35 @@ def test_active_params_match_the_model_weights(flavor):
         expected += p.numel() * share
     expected += cfg.n_mtp_layers * model.head.weight.numel()  # the head runs again at each MTP depth
     assert active_matmul_params(cfg) == expected
+
+
+@pytest.mark.parametrize("flavor,changes", [
+    ("debug", {}), ("debug", dict(q_lora_rank=0, n_shared_experts=0, n_mtp_layers=2)),
+    ("16B", {}), ("671B", {}),
+])
+def test_parameter_counts_from_the_config_match_the_built_model(flavor, changes):
+    cfg = dataclasses.replace(FLAVORS[flavor], **changes)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    idle_experts = 0  # the routed experts a token is not sent to, in every MoE block (MTP's included)
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            idle_experts += p.numel() * (cfg.n_routed_experts - cfg.n_activated_experts) // cfg.n_routed_experts
+    total = sum(p.numel() for p in model.parameters())
+    assert parameter_counts(cfg) == (total, total - idle_experts)
+
+
+def test_banner_says_what_trains_how_and_where():
+    cfg = load_config(None, ["--flavor=671B", "--train.global_batch=64", "--train.micro_batch=2",
+                             "--parallel.ep=8", "--data.path=data/web", "--checkpoint.dir=runs/big"])
+    banner = startup_banner(cfg, 16, torch.device("cuda", 0), plan(cfg, 16, "h200", 139.0).summary())
+    assert "671B: 683B parameters, 38.2B activated per token" in banner
+    assert "64 sequences × 256 tokens = 16,384 tokens/step" in banner
+    assert "2 × 2 sequences per rank and step" in banner  # 64 / (2 × 16 ranks) micro-batches
+    assert "world 16 on cuda, ep 8 (all_to_all); precision bf16;" in banner
+    assert re.search(r"\nmemory  plan: [\d.]+ GiB per GPU of 139\.0", banner)
+    assert "data data/web → run dir runs/big" in banner
+    assert "GiB" not in startup_banner(cfg, 16, torch.device("cuda", 0), None)  # no planner estimate, no line
 
 
 def test_flops_grow_with_seq_len_by_exactly_the_attention_term():

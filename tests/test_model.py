@@ -1,5 +1,5 @@
 """Transformer specification: logits and training outputs, the MTP target shift, causality, the flavor sizes,
-init, RoPE/YaRN and the MLA softmax scale, and gradient reaching every parameter (DESIGN.md "The model")."""
+init, RoPE/YaRN and the MLA softmax scale, and gradient reaching every parameter (paper §2.1)."""
 
 import dataclasses
 import math

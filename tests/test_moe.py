@@ -1,6 +1,6 @@
 """DeepSeekMoE specification: the group-limited router, grouped experts, the MoE layer, expert-load counting,
-the aux-loss-free bias update and the sequence-wise balance loss (DESIGN.md "Router", "MoE", "Aux-loss-free
-balancing", "Sequence-wise balance loss")."""
+the aux-loss-free bias update and the sequence-wise balance loss (paper §2.1.2: the DeepSeekMoE
+architecture, auxiliary-loss-free load balancing, the complementary sequence-wise auxiliary loss)."""
 
 import pytest
 import torch
@@ -126,7 +126,7 @@ def test_group_rank_uses_top2_sum_not_the_single_best_expert():
 
 
 def test_negative_bias_never_lets_a_masked_group_win():
-    """The -inf pitfall (DESIGN.md): with a 0.0 fill, masked experts (0.0) beat kept ones whose s + b < 0."""
+    """The -inf pitfall of a masked top-k: with a 0.0 fill, masked experts (0.0) beat kept ones whose s + b < 0."""
     cfg = moe_config()
     router = make_router(cfg)
     x = torch.randn(128, cfg.dim)
@@ -373,7 +373,8 @@ def test_update_expert_bias_needs_one_load_row_per_router():
 
 
 def balance_loss_loop(scores: torch.Tensor, topk_idx: torch.Tensor, topk: int) -> float:
-    """DESIGN.md, per sequence: Σ_i f_i·P_i, f_i = E/(K·T)·count_i, P_i = mean_t s'_i,t; mean over sequences."""
+    """Paper §2.1.2 (eqs. 17–20), per sequence: Σ_i f_i·P_i, f_i = E/(K·T)·count_i, P_i = mean_t s'_i,t;
+    mean over sequences."""
     B, T, E = scores.shape
     losses = []
     for b in range(B):

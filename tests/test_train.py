@@ -7,6 +7,8 @@ import fcntl
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,7 @@ import train
 from dsv3 import checkpoint
 from dsv3.config import FLAVORS, Config, DataConfig, ModelConfig, TrainConfig, UserError
 from dsv3.model import Transformer
-from conftest import load_export, read_metrics
+from conftest import free_port, load_export, read_metrics, torchrun_vars
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "configs" / "debug.toml")
@@ -27,9 +29,6 @@ DATA = ROOT / "data" / "stdlib"
 # micro-batches of 2.
 TINY = ["--model.n_layers=2", "--train.seq_len=32", "--train.global_batch=4", "--train.micro_batch=2",
         "--train.val_every=0", "--checkpoint.export=false"]
-
-# Without a process group DCP warns that it "assumes a single process": here that is the point.
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def run(run_dir: Path, *overrides: str) -> dict[int, dict]:
@@ -122,11 +121,12 @@ def test_export_loads_into_a_fresh_model_and_matches_the_last_checkpoint(learned
 
 
 def test_init_from_starts_from_exported_weights(learned, tmp_path):
-    # lr 0 and no bias update: one step must leave the imported weights exactly as they were
+    # lr 1e-30 (lr must be > 0) is below fp32 resolution, and no bias update: one step must leave the imported
+    # weights exactly as they were
     weights = f"--checkpoint.init_from={learned / 'export'}"
-    with pytest.raises(ValueError, match=r"does not fit this model: missing \[\] \(0\), unexpected \['layers.2"):
+    with pytest.raises(UserError, match=r"does not fit this model: missing \[\] \(0\), unexpected \['layers.2"):
         run(tmp_path / "smaller", *TINY, weights)  # TINY has 2 layers, the export 3
-    rows = run(tmp_path, *TINY[1:], "--train.steps=1", "--train.lr=0", "--train.bias_update_speed=0", weights,
+    rows = run(tmp_path, *TINY[1:], "--train.steps=1", "--train.lr=1e-30", "--train.bias_update_speed=0", weights,
                "--checkpoint.every=0", "--checkpoint.export=true")
     assert rows[1]["loss"] < math.log(4096) - 1.5  # a trained model, not a fresh one
     assert checkpoint.checkpoints(tmp_path) == []  # every=0: no checkpoints at all
@@ -281,22 +281,22 @@ def test_resume_with_no_checkpoint_is_an_error_not_a_fresh_start(data, tmp_path,
 # --- bad input fails fast, with a message that says what to change ----------------------------------
 
 @pytest.mark.parametrize("overrides,error,message", [
-    (["--flavor=huge"], ValueError, "unknown flavor 'huge': choose one of debug, 16B, 671B"),
-    (["--train.learning_rate=1e-3"], ValueError, "unknown key train.learning_rate"),
-    (["--model.dims=64"], ValueError, r"unknown model key\(s\) \['dims'\]"),
-    (["--train.lr"], ValueError, "bad override '--train.lr': write --section.key=value"),
-    (["train.lr=1e-3"], ValueError, "bad override 'train.lr=1e-3'"),
-    (["--train.lr=fast"], ValueError, "train.lr must be a float"),
-    (["--data.path=/nonexistent/corpus"], FileNotFoundError, "scripts/prepare_data.py"),
-    (["--model.vocab_size=1000"], ValueError, "has 4096 tokens but model.vocab_size is 1000"),
-    (["--train.global_batch=12", "--train.micro_batch=8"], ValueError,
+    (["--flavor=huge"], UserError, "unknown flavor 'huge': choose one of debug, 16B, 671B"),
+    (["--train.learning_rate=1e-3"], UserError, "unknown key train.learning_rate"),
+    (["--model.dims=64"], UserError, r"unknown model key\(s\) \['dims'\]"),
+    (["--train.lr"], UserError, "bad override '--train.lr': write --section.key=value"),
+    (["train.lr=1e-3"], UserError, "bad override 'train.lr=1e-3'"),
+    (["--train.lr=fast"], UserError, "train.lr must be a float"),
+    (["--data.path=/nonexistent/corpus"], UserError, "scripts/prepare_data.py"),
+    (["--model.vocab_size=1000"], UserError, "has 4096 tokens but model.vocab_size is 1000"),
+    (["--train.global_batch=12", "--train.micro_batch=8"], UserError,
      r"global_batch \(12\) must be a multiple of train.micro_batch"),
-    (["--train.seq_len=512"], ValueError, r"seq_len \(512\) exceeds model.max_seq_len \(256\)"),
-    (["--parallel.ep=2"], ValueError, "parallel.ep=2 must divide the world size 1"),
-    (["--checkpoint.init_from=/nonexistent/weights"], FileNotFoundError, r"holds no \*.safetensors"),
-    (["--log.every=0"], ValueError, "log.every must be >= 1, got 0"),
-    (["--train.val_batches=0"], ValueError, "train.val_batches must be >= 1, got 0"),
-    (["--train.loss_spike_factor=0.5"], ValueError, r"train.loss_spike_factor must be 0 \(off\) or > 1, got 0\.5"),
+    (["--train.seq_len=512"], UserError, r"seq_len \(512\) exceeds model.max_seq_len \(256\)"),
+    (["--parallel.ep=2"], UserError, "parallel.ep=2 must divide the world size 1"),
+    (["--checkpoint.init_from=/nonexistent/weights"], UserError, r"holds no \*.safetensors"),
+    (["--log.every=0"], UserError, "log.every must be >= 1, got 0"),
+    (["--train.val_batches=0"], UserError, "train.val_batches must be >= 1, got 0"),
+    (["--train.loss_spike_factor=0.5"], UserError, r"train.loss_spike_factor must be 0 \(off\) or > 1, got 0\.5"),
     (["--checkpoint.dir=/dev/null/run"], UserError, "checkpoint.dir=/dev/null/run cannot be written"),
 ], ids=["flavor", "key", "model-key", "no-value", "no-dashes", "type", "data", "vocab", "batch", "seq-len",
         "ep", "init-from", "log-every", "val-batches", "spike-factor", "unwritable-dir"])
@@ -316,7 +316,7 @@ def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(data, 
     --resume would pick up the old run: stop before anything is built."""
     (tmp_path / "step-300").mkdir()
     monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
-    with pytest.raises(FileExistsError, match=r"already holds checkpoints \(step-300\).*--resume"):
+    with pytest.raises(UserError, match=r"already holds checkpoints \(step-300\).*--resume"):
         run(tmp_path, *TINY, "--train.steps=2", "--checkpoint.every=2")
     assert (tmp_path / "step-300").is_dir()
 
@@ -331,6 +331,55 @@ def test_a_second_run_on_a_live_runs_directory_is_refused_with_the_holders_pid_a
         for resume in ([], ["--resume"]):
             with pytest.raises(UserError, match=r"is in use by another run \(pid 4242 on host gpu-node-7\)"):
                 run(tmp_path, *TINY, *resume)
+
+
+# --- first contact: what a user sees on the command line -------------------------------------------
+
+def train_py(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python train.py ARGS` in a fresh process, stdout and stderr captured."""
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_bad_config_value_is_one_line_on_stderr_and_exit_code_2():
+    out, err = train_py("--config", CONFIG, "--train.lr=-1").communicate(timeout=120)
+    assert err.splitlines() == ["error: train.lr must be > 0, got -1.0"]
+    assert "Traceback" not in out + err
+
+
+def test_help_lists_every_section_and_exits_0():
+    process = train_py("--help")
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0 and err == ""
+    assert out.startswith("usage: ")
+    assert all(f"[{section}]" in out for section in ("model", "train", "data", "parallel", "checkpoint", "log"))
+
+
+def test_error_after_the_process_group_exists_is_one_line_from_rank_0_and_no_rank_hangs(data):
+    """parallel.ep=3 at world 2 is refused after init_process_group: both ranks leave with code 2, only rank 0
+    says why, and tearing the group down prints nothing."""
+    port = free_port()
+    ranks = [train_py("--config", CONFIG, "--train.device=cpu", "--parallel.ep=3",
+                      env=os.environ | torchrun_vars(rank, 2, port)) for rank in range(2)]
+    (_, err0), (_, err1) = [rank.communicate(timeout=120) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [2, 2]
+    assert err0.splitlines() == ["error: parallel.ep=3 must divide the world size 2: pick one of [1, 2]"]
+    assert err1 == ""
+
+
+def test_short_run_prints_a_banner_then_step_1_and_no_warnings(data, tmp_path):
+    """What a newcomer's first run shows: the banner, a first line at step 1, and no library warnings
+    (the checkpoint and export paths included)."""
+    process = train_py("--config", CONFIG, f"--checkpoint.dir={tmp_path}", *TINY[:-1], "--train.steps=3",
+                       "--checkpoint.every=3", "--train.val_every=3", "--log.every=10")
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    assert [line for line in err.splitlines() if "Warning" in line or "warn(" in line] == []
+    lines = out.splitlines()
+    assert lines[0].startswith("model   debug: ") and "activated per token" in lines[0]
+    assert any(line.startswith("paths   data ") and str(tmp_path) in line for line in lines)
+    assert [line.split(" |")[0] for line in lines if line.startswith("step ")] == ["step 1/3", "step 3/3", "step 3/3"]
+    assert (tmp_path / "export" / "model.safetensors.index.json").is_file()
 
 
 # --- schedules ---------------------------------------------------------------------------------------
