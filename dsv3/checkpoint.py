@@ -364,7 +364,8 @@ def export(out_dir: str | Path, model: nn.Module, cfg: ModelConfig) -> None:
     state = get_model_state_dict(model)
     file_of = _file_per_block(state)
     writer = dcp.HuggingFaceStorageWriter(str(tmp / "sharded"), fqn_to_index_mapping=file_of, save_distributed=True)
-    dcp.save(state, storage_writer=writer)
+    with _quiet_without_group():
+        dcp.save(state, storage_writer=writer)
     if dist.is_initialized():
         consolidate_safetensors_files_on_every_rank(str(tmp / "sharded"), str(tmp), file_of)
     else:
