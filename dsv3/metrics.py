@@ -58,24 +58,46 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return float(6 * active_matmul_params(cfg) + attention)
 
 
-def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
-    """(total, activated) parameters of `Transformer(cfg)`, from the config alone. Activated: all but the
-    routed experts a token is not sent to, (n_routed − top-k) per MoE block, MTP blocks included."""
-    d = cfg.dim
-    q = d * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * cfg.n_heads * cfg.qk_head_dim if cfg.q_lora_rank \
-        else d * cfg.n_heads * cfg.qk_head_dim
-    attn = (q + d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank  # wkv_a, kv_norm
-            + cfg.kv_lora_rank * cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-            + cfg.n_heads * cfg.v_head_dim * d)
-    expert = 3 * d * cfg.moe_inter_dim
-    moe = d * cfg.n_routed_experts + cfg.n_routed_experts * expert + cfg.n_shared_experts * expert
-    block_norms = 2 * d
-    n_moe_blocks = cfg.n_layers - cfg.n_dense_layers + cfg.n_mtp_layers
-    total = (2 * cfg.vocab_size * d + d  # embedding, head, final norm
-             + (cfg.n_layers + cfg.n_mtp_layers) * (attn + block_norms)
-             + cfg.n_dense_layers * 3 * d * cfg.inter_dim + n_moe_blocks * moe
-             + cfg.n_mtp_layers * (2 * d + 2 * d * d + d))  # enorm, hnorm, eh_proj, norm
-    return total, total - n_moe_blocks * (cfg.n_routed_experts - cfg.n_activated_experts) * expert
+def attention_params(mc: ModelConfig) -> int:
+    """Parameters of one MLA attention: its projections and the q/kv latent norms."""
+    d, H = mc.dim, mc.n_heads
+    if mc.q_lora_rank:
+        q = d * mc.q_lora_rank + mc.q_lora_rank + mc.q_lora_rank * H * mc.qk_head_dim  # wq_a, q_norm, wq_b
+    else:
+        q = d * H * mc.qk_head_dim
+    kv = d * (mc.kv_lora_rank + mc.qk_rope_head_dim) + mc.kv_lora_rank  # wkv_a, kv_norm
+    return q + kv + mc.kv_lora_rank * H * (mc.qk_nope_head_dim + mc.v_head_dim) + H * mc.v_head_dim * d
+
+
+def block_params(mc: ModelConfig, moe: bool) -> tuple[int, int]:
+    """(dense, routed-expert) parameters of one Block: norms, MLA, and a dense MLP or router + shared + experts."""
+    d, I = mc.dim, mc.moe_inter_dim
+    dense = 2 * d + attention_params(mc)
+    if not moe:
+        return dense + 3 * d * mc.inter_dim, 0
+    return dense + mc.n_routed_experts * d + 3 * d * mc.n_shared_experts * I, 3 * mc.n_routed_experts * d * I
+
+
+def root_params(mc: ModelConfig) -> int:
+    """Outside the blocks (the root FSDP unit): embedding, final norm, head, and each MTP depth's norms + eh_proj."""
+    return 2 * mc.vocab_size * mc.dim + mc.dim + mc.n_mtp_layers * (3 * mc.dim + 2 * mc.dim * mc.dim)
+
+
+def dense_and_expert_params(mc: ModelConfig) -> tuple[int, int]:
+    """(dense parameters, routed-expert parameters) of Transformer(mc), exactly."""
+    n_moe = mc.n_layers - mc.n_dense_layers + mc.n_mtp_layers  # MTP blocks are MoE blocks
+    dense_block, _ = block_params(mc, moe=False)
+    moe_dense, experts = block_params(mc, moe=True)
+    return root_params(mc) + mc.n_dense_layers * dense_block + n_moe * moe_dense, n_moe * experts
+
+
+def parameter_counts(mc: ModelConfig) -> tuple[int, int]:
+    """(total, activated) parameters of `Transformer(mc)`. Activated: all but the routed experts a token is not
+    sent to, (n_routed − top-k) per MoE block, MTP blocks included."""
+    dense, experts = dense_and_expert_params(mc)
+    n_moe = mc.n_layers - mc.n_dense_layers + mc.n_mtp_layers
+    idle = n_moe * (mc.n_routed_experts - mc.n_activated_experts) * 3 * mc.dim * mc.moe_inter_dim
+    return dense + experts, dense + experts - idle
 
 
 def startup_banner(cfg: Config, world: int, device: torch.device, memory_plan: str | None) -> str:

@@ -15,7 +15,7 @@ import copy
 from dataclasses import dataclass
 
 from dsv3.config import Config, ModelConfig, UserError
-from dsv3.metrics import active_matmul_params
+from dsv3.metrics import active_matmul_params, block_params, dense_and_expert_params, root_params
 
 GIB = 2**30
 
@@ -68,38 +68,6 @@ ALL_TO_ALL_EFFICIENCY = 0.29
 EP_HEADROOM = 1.25
 FIT_FRACTION = 0.95  # the plan must stay under this share of the GPU's memory
 LOSS_CHUNK = 4096  # dsv3.model.linear_cross_entropy's chunk
-
-
-def _attention_params(mc: ModelConfig) -> int:
-    d, H = mc.dim, mc.n_heads
-    if mc.q_lora_rank:
-        q = d * mc.q_lora_rank + mc.q_lora_rank + mc.q_lora_rank * H * mc.qk_head_dim  # wq_a, q_norm, wq_b
-    else:
-        q = d * H * mc.qk_head_dim
-    kv = d * (mc.kv_lora_rank + mc.qk_rope_head_dim) + mc.kv_lora_rank  # wkv_a, kv_norm
-    return q + kv + mc.kv_lora_rank * H * (mc.qk_nope_head_dim + mc.v_head_dim) + H * mc.v_head_dim * d
-
-
-def _block_params(mc: ModelConfig, moe: bool) -> tuple[int, int]:
-    """(dense, routed-expert) parameters of one Block: norms, MLA, and a dense MLP or router + shared + experts."""
-    d, I = mc.dim, mc.moe_inter_dim
-    dense = 2 * d + _attention_params(mc)
-    if not moe:
-        return dense + 3 * d * mc.inter_dim, 0
-    return dense + mc.n_routed_experts * d + 3 * d * mc.n_shared_experts * I, 3 * mc.n_routed_experts * d * I
-
-
-def _root_params(mc: ModelConfig) -> int:
-    """Outside the blocks (the root FSDP unit): embedding, final norm, head, and each MTP depth's norms + eh_proj."""
-    return 2 * mc.vocab_size * mc.dim + mc.dim + mc.n_mtp_layers * (3 * mc.dim + 2 * mc.dim * mc.dim)
-
-
-def param_counts(mc: ModelConfig) -> tuple[int, int]:
-    """(dense parameters, routed-expert parameters) of Transformer(mc), exactly."""
-    n_moe = mc.n_layers - mc.n_dense_layers + mc.n_mtp_layers  # MTP blocks are MoE blocks
-    dense_block, _ = _block_params(mc, moe=False)
-    moe_dense, experts = _block_params(mc, moe=True)
-    return _root_params(mc) + mc.n_dense_layers * dense_block + n_moe * moe_dense, n_moe * experts
 
 
 def _saved_per_token(mc: ModelConfig, moe: bool, ep: int) -> dict[str, float]:
@@ -192,12 +160,12 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
     state_bytes = {"fp32": 4, "bf16": 2}[t.optimizer_state_dtype]
 
     # --- memory: bytes per GPU
-    dense, experts = param_counts(mc)
+    dense, experts = dense_and_expert_params(mc)
     sharded = (dense + experts) / gpus
     is_moe = [i >= mc.n_dense_layers for i in range(mc.n_layers)] + [True] * mc.n_mtp_layers  # per block
-    block_params = [_block_params(mc, moe) for moe in is_moe]
-    unsharded = [2 * (bd + be / ep) for bd, be in block_params]  # bf16, as all-gathered for compute
-    grads = [4 * (bd + be) / gpus for bd, be in block_params]  # fp32, reduce-scattered
+    params_per_block = [block_params(mc, moe) for moe in is_moe]
+    unsharded = [2 * (bd + be / ep) for bd, be in params_per_block]  # bf16, as all-gathered for compute
+    grads = [4 * (bd + be) / gpus for bd, be in params_per_block]  # fp32, reduce-scattered
     saved = [_saved_per_token(mc, moe, ep) for moe in is_moe]
     saved_local = [_saved_per_token(mc, moe, 1) for moe in is_moe]  # the same tokens without EP
     mode = t.activation_checkpoint
@@ -205,7 +173,7 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
     ep_buffers = [ACTIVATION_FACTOR * 2 * T * (s[mode] - s1[mode]) for s, s1 in zip(saved, saved_local)]
     # AC recomputes one block at a time in backward, holding all it would have saved
     recompute = 0.0 if mode == "none" else max(ACTIVATION_FACTOR * 2 * T * s["none"] for s in saved)
-    root = _root_params(mc)
+    root = root_params(mc)
     unsharded_grads = 0.0
     if p.accumulate_unsharded_grads and micro_batches > 1:
         unsharded_grads = 4 * (dense + experts / ep)  # every rank holds the whole gradient until the step
@@ -233,7 +201,7 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
     phases = [{"gradients": 0.0, "fsdp unsharded buffers": held(n - 1),
                **saved_through(n - 1, loss_saved + loss_transient)}]
     for i in reversed(range(n)):
-        in_flight = 6 * (block_params[i][0] + block_params[i][1] / ep)
+        in_flight = 6 * (params_per_block[i][0] + params_per_block[i][1] / ep)
         phase = {"gradients": sum(grads[i + 1:]) + 4 * root / gpus, "fsdp unsharded buffers": held(i) + in_flight,
                  **saved_through(i, loss_saved)}
         phase["activations"] += recompute

@@ -9,7 +9,8 @@ import torch
 import train
 from dsv3.config import FLAVORS, UserError, load_config, run_main
 from dsv3.model import Transformer
-from dsv3.plan import FIT_FRACTION, GIB, check_fits, param_counts, plan
+from dsv3.metrics import dense_and_expert_params
+from dsv3.plan import FIT_FRACTION, GIB, check_fits, plan
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import plan as plan_cli  # noqa: E402  (scripts/plan.py)
@@ -26,7 +27,7 @@ def test_parameter_counts_match_a_built_model(mc):
         model = Transformer(mc)
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     dense = sum(p.numel() for name, p in model.named_parameters() if ".experts." not in name)
-    assert param_counts(mc) == (dense, experts)
+    assert dense_and_expert_params(mc) == (dense, experts)
 
 
 @pytest.mark.parametrize("gpus", [1, 2])
@@ -83,7 +84,7 @@ def test_accumulating_unsharded_grads_holds_every_gradient_unsharded():
     sharded = plan(cfg, 8, "h100")
     cfg.parallel.accumulate_unsharded_grads = True
     unsharded = plan(cfg, 8, "h100")
-    dense, experts = param_counts(cfg.model_config())
+    dense, experts = dense_and_expert_params(cfg.model_config())
     extra = unsharded.memory["gradients"] - sharded.memory["gradients"]
     assert extra == pytest.approx(4 * (dense + experts) / GIB, rel=1e-9)  # ep = 1: every rank holds all experts
 
