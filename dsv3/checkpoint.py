@@ -50,6 +50,17 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _move_aside(path: Path, suffix: str) -> None:
+    """Rename checkpoint `path` to `path{suffix}` (replacing an older one of that name), out of `checkpoints()`."""
+    aside = path.with_name(path.name + suffix)
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(path, aside)
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -134,8 +145,7 @@ def discard_after(run_dir: str | Path, step: int) -> Path | None:
     if _rank() == 0:
         for path in checkpoints(run_dir):
             if step_of(path) > step:
-                shutil.rmtree(path.with_name(path.name + ".diverged"), ignore_errors=True)
-                os.replace(path, path.with_name(path.name + ".diverged"))
+                _move_aside(path, ".diverged")
     _barrier()
     kept = checkpoints(run_dir)
     return kept[-1] if kept else None
@@ -169,7 +179,7 @@ def _describe(directory: Path, checksums: bool) -> dict[str, dict[str, int]]:
     names = sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
                    if p.is_file() and p.name not in (MANIFEST, UNCONFIRMED))
     mine = {}
-    for name in names[_rank()::dist.get_world_size() if dist.is_initialized() else 1]:
+    for name in names[_rank()::_world()]:
         mine[name] = {"size": (directory / name).stat().st_size}
         if checksums:
             mine[name]["crc32"] = _file_crc32(directory / name)
@@ -193,7 +203,7 @@ def verify(path: Path, checksums: bool = True) -> str | None:
         return f"{path / MANIFEST} is missing or unreadable ({e})"
     names = sorted(manifest)
     problems = []
-    for name in names[_rank()::dist.get_world_size() if dist.is_initialized() else 1]:
+    for name in names[_rank()::_world()]:
         file, expected = path / name, manifest[name]
         if not file.is_file():
             problems.append(f"{file} is missing")
@@ -226,8 +236,7 @@ def resume_from(run_dir: str | Path, checksums: bool = True) -> Path:
         if _rank() == 0:
             print(f"warning: checkpoint {path} is damaged: {problem}; moved aside as {path.name}.corrupt, "
                   f"trying the previous one", file=sys.stderr, flush=True)
-            shutil.rmtree(path.with_name(path.name + ".corrupt"), ignore_errors=True)
-            os.replace(path, path.with_name(path.name + ".corrupt"))
+            _move_aside(path, ".corrupt")
         _barrier()
     raise UserError(f"--resume: no checkpoint in checkpoint.dir={run_dir} is intact (each one is now *.corrupt): "
                     f"restore one from a backup, or drop --resume to start a new run")
@@ -322,8 +331,7 @@ def _restore_rng(path: Path) -> None:
     """This rank's RNG streams as saved, when the world size is the one they were saved at; a resharded
     resume keeps the freshly seeded ones (one rank's stream has no counterpart at another world size).
     The bf16 optimizer's stochastic rounding (dsv3.optim) draws from them: this keeps its resume exact."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if {p.name for p in path.glob("rng-*.pt")} != {f"rng-{r}.pt" for r in range(world)}:
+    if {p.name for p in path.glob("rng-*.pt")} != {f"rng-{r}.pt" for r in range(_world())}:
         return
     state = torch.load(path / f"rng-{_rank()}.pt")
     torch.set_rng_state(state["cpu"])
