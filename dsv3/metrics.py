@@ -95,8 +95,7 @@ def parameter_counts(mc: ModelConfig) -> tuple[int, int]:
     """(total, activated) parameters of `Transformer(mc)`. Activated: all but the routed experts a token is not
     sent to, (n_routed − top-k) per MoE block, MTP blocks included."""
     dense, experts = dense_and_expert_params(mc)
-    n_moe = mc.n_layers - mc.n_dense_layers + mc.n_mtp_layers
-    idle = n_moe * (mc.n_routed_experts - mc.n_activated_experts) * 3 * mc.dim * mc.moe_inter_dim
+    idle = experts // mc.n_routed_experts * (mc.n_routed_experts - mc.n_activated_experts)
     return dense + experts, dense + experts - idle
 
 
