@@ -59,6 +59,7 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torc
     has it sum full unsharded gradients until the last one: fewer collectives, but a full fp32 gradient per rank.
     Returns ([main, mtp, balance, grad_norm] as one device tensor, global tokens_per_expert [L, E])."""
     micro_batches = batch.split(t.micro_batch)
+    compute_copies = getattr(optimizer, "compute_copies", None)
     mtp_weight = mtp_lambda_at(step, t) / max(len(model.mtp), 1)
     losses = torch.zeros(3, device=batch.device)
     tokens_per_expert = 0
@@ -69,14 +70,15 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torc
         mtp_loss = torch.stack(out.mtp_losses).sum() if out.mtp_losses else torch.zeros_like(out.loss)
         total = out.loss + mtp_weight * mtp_loss + t.balance_alpha * out.balance_loss
         (total / len(micro_batches)).backward()
+        if compute_copies is not None and len(micro_batches) > 1:
+            compute_copies.accumulate_grads()
         losses += torch.stack([out.loss, mtp_loss / max(len(out.mtp_losses), 1), out.balance_loss]).detach()
         tokens_per_expert = tokens_per_expert + out.tokens_per_expert
-    params = [p for p in model.parameters() if p.grad is not None]
     if isinstance(optimizer, optim.AdamW):  # clipping folded into the update: no pass of its own over the grads
-        grad_norm = parallel.grad_norm(params)
+        grad_norm = parallel.grad_norm(optimizer.grads())
         optimizer.step(grad_scale=parallel.clip_scale(grad_norm, t.grad_clip))
     else:
-        grad_norm = parallel.clip_grad_norm_(params, t.grad_clip)
+        grad_norm = parallel.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], t.grad_clip)
         optimizer.step()
     if t.precision == "fp8" and t.fp8_recipe == "tensorwise":  # fp8 all-gather reuses scales computed now
         quant.precompute_fp8_scales(model)
@@ -107,13 +109,17 @@ def evaluate(model: Transformer, cfg: Config, rank: int, world: int, device: tor
 
 
 def build_optimizer(model: Transformer, t: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (norm scales are not decayed). fp32 moments: torch's (fused on
-    CUDA); bf16 moments (paper §3.3): dsv3.optim's, which also takes the clipping factor into its step."""
+    """AdamW; weight decay on matrices only (norm scales are not decayed). dsv3.optim's, which takes the
+    clipping factor into its step, for bf16 moments (paper §3.3) and for a model with compute copies; else
+    torch's (fused on CUDA)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if t.optimizer_state_dtype == "bf16":
-        return optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), state_dtype=torch.bfloat16)
+    compute_copies = getattr(model, "compute_copies", None)
+    if t.optimizer_state_dtype == "bf16" or compute_copies is not None:
+        state_dtype = torch.bfloat16 if t.optimizer_state_dtype == "bf16" else torch.float32
+        return optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), state_dtype=state_dtype,
+                           compute_copies=compute_copies)
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device.type == "cuda")
 
 
@@ -130,26 +136,28 @@ def check_setup(cfg: Config, world: int, device: torch.device) -> None:
 
 def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
     """Build → low precision (dsv3.quant) → EP → activation checkpointing → compile → FSDP2, then materialise.
-    On CUDA the model is built on the meta device so only this rank's shards are ever allocated."""
+    On CUDA the model is built on the meta device so only this rank's shards are ever allocated. Its weights are
+    fp32; on CUDA it computes in bf16: FSDP2's mixed precision, or at one rank (no FSDP) `model.compute_copies`."""
     mcfg, t = cfg.model_config(), cfg.train
     torch.manual_seed(t.seed)
     with torch.device("meta" if device.type == "cuda" else device):
         model = Transformer(mcfg)
     quant.apply(model, t.precision, t.expert_precision, t.fp8_recipe, t.precision_skip)
-    distributed = world > 1 or device.type == "cuda"
-    if distributed:
+    if world > 1:
         meshes = parallel.build_meshes(device.type, world, cfg.parallel.ep)
         if cfg.parallel.ep > 1:
             parallel.apply_expert_parallel(model, meshes, cfg.parallel.ep_backend, cfg.parallel.deepep_sms)
     parallel.apply_activation_checkpointing(model, t.activation_checkpoint)
     if t.compile:
         parallel.apply_compile(model)
-    if distributed:  # bf16 compute with fp32 master weights on GPU; plain fp32 on CPU
+    if world > 1:  # plain fp32 on CPU
         param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         parallel.apply_fsdp(model, meshes, param_dtype, torch.float32, cfg.parallel.ep)
     if device.type == "cuda":
         model.to_empty(device=device)
         model.init_weights()
+        if world == 1:
+            model.compute_copies = optim.ComputeCopies(model, torch.bfloat16)
     return model
 
 

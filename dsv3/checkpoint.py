@@ -329,8 +329,7 @@ def _rng_state() -> dict[str, torch.Tensor]:
 
 def _restore_rng(path: Path) -> None:
     """This rank's RNG streams as saved, when the world size is the one they were saved at; a resharded
-    resume keeps the freshly seeded ones (one rank's stream has no counterpart at another world size).
-    The bf16 optimizer's stochastic rounding (dsv3.optim) draws from them: this keeps its resume exact."""
+    resume keeps the freshly seeded ones (one rank's stream has no counterpart at another world size)."""
     if {p.name for p in path.glob("rng-*.pt")} != {f"rng-{r}.pt" for r in range(_world())}:
         return
     state = torch.load(path / f"rng-{_rank()}.pt")

@@ -1,10 +1,11 @@
-"""AdamW with its moments stored in BF16 (paper §3.3, "low-precision storage"), for `train.optimizer_state_dtype=bf16`.
+"""AdamW with its moments in fp32 or BF16 (paper §3.3, "low-precision storage"), and the bf16 compute copies a
+one-rank run trains through instead of FSDP2's mixed precision.
 
 Per parameter (its local shard under FSDP2), in fp32, with g = grad · grad_scale:
     θ ← θ·(1 − lr·λ);  m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g²
     θ ← θ − lr/(1−β1ᵗ) · m / (√v / √(1−β2ᵗ) + ε)
 as torch.optim.AdamW. `grad_scale` folds gradient clipping into the step instead of a pass of its own over every
-gradient. The moments are read as bf16, updated in fp32 and rounded back to bf16 *stochastically* (unbiased):
+gradient. BF16 moments are read as bf16, updated in fp32 and rounded back to bf16 *stochastically* (unbiased):
 rounded to nearest, an update of v smaller than half a bf16 ulp (2⁻⁹ to 2⁻⁸ of v) would be lost every step.
 """
 
@@ -13,41 +14,64 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+def _flat_local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard as a 1-D view: updates write through, and every parameter runs the same compiled kernel
+    (each rank of tensor, 1 to 3, would be a recompile of its own)."""
+    return (t.to_local() if isinstance(t, DTensor) else t).view(-1)
 
 
-def round_to_bf16_stochastically(x: torch.Tensor) -> torch.Tensor:
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int32 (wrapping arithmetic; `& mask` makes the shifts logical)."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * -2048144789  # 0x85EBCA6B
+    x = x ^ ((x >> 13) & 0x7FFFF)
+    x = x * -1028477387  # 0xC2B2AE35
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def random_bits(like: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """32 random bits (int32) per element of `like`, a hash of (seed, element index): counter-based, so it costs a
+    few integer ops where a Philox stream made the fused update compute-bound, and a step rounds the same way
+    whatever ran before it (an exact resume needs no RNG state)."""
+    index = torch.arange(like.numel(), device=like.device).view(like.shape)
+    return _mix32((index * -1640531535 + seed).int())  # 0x9E3779B1: the golden-ratio stride
+
+
+def round_to_bf16_stochastically(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """fp32 → bf16, the magnitude rounded up with probability (its distance to the bf16 below) / ulp, so that
-    E[result] = x: random 16 low bits are added to the fp32 bit pattern, then truncated away."""
-    bits = x.view(torch.int32)
-    noise = torch.randint_like(bits, 0, 1 << 16)
-    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # -65536 = 0xFFFF0000
+    E[result] = x: `noise`, uniform in [0, 2¹⁶), is added to the fp32 bit pattern, whose 16 low bits are then
+    truncated away."""
+    return ((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # -65536 = 0xFFFF0000
 
 
 def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  lr: torch.Tensor, weight_decay: float, beta1: float, beta2: float, eps: float,
                  bias_correction1: torch.Tensor, bias_correction2_sqrt: torch.Tensor,
-                 grad_scale: torch.Tensor) -> None:
-    """One AdamW step of one tensor, in place; fp32 math whatever the moments' dtype."""
+                 grad_scale: torch.Tensor, seed: torch.Tensor, compute_copy: torch.Tensor | None = None) -> None:
+    """One AdamW step of one tensor, in place; fp32 math whatever the moments' dtype. `seed` varies the
+    stochastic rounding from step to step; `compute_copy`, if given, receives the new θ in its dtype."""
     g = grad.float() * grad_scale
     m = exp_avg.float().lerp(g, 1 - beta1)
     v = torch.addcmul(exp_avg_sq.float() * beta2, g, g, value=1 - beta2)
     param.mul_(1 - lr * weight_decay)
     param.sub_(lr / bias_correction1 * m / (v.sqrt() / bias_correction2_sqrt + eps))
+    if compute_copy is not None:
+        compute_copy.copy_(param)
     if exp_avg.dtype == torch.bfloat16:
-        exp_avg.copy_(round_to_bf16_stochastically(m))
-        exp_avg_sq.copy_(round_to_bf16_stochastically(v))
+        bits = random_bits(m, seed)  # one hash for both moments: 16 bits each
+        exp_avg.copy_(round_to_bf16_stochastically(m, bits & 0xFFFF))
+        exp_avg_sq.copy_(round_to_bf16_stochastically(v, (bits >> 16) & 0xFFFF))
     else:
         exp_avg.copy_(m)
         exp_avg_sq.copy_(v)
 
 
-# On CUDA: one fused kernel per tensor (read θ, g, m, v once, write θ, m, v once); dynamic shapes, so every
-# parameter shape shares one compiled kernel.
+# On CUDA: one fused kernel per tensor (read θ, g, m, v once, write θ, m, v once); dynamic shapes over 1-D
+# views, so every parameter shares one compiled kernel.
 _adamw_update_cuda = torch.compile(adamw_update, dynamic=True)
 
 
@@ -59,25 +83,108 @@ def _moments_back_to_state_dtype(optimizer: AdamW) -> None:
             state[key] = state[key].to(optimizer.state_dtype)
 
 
+class ComputeCopies:
+    """FSDP2's mixed precision for a model that is not sharded (one rank): forward and backward compute with
+    `dtype` copies of the fp32 parameters, which stay the model's parameters everywhere else (optimizer state,
+    checkpoints, export). Without FSDP's casts and copies in and out of its buffers, nothing moves but the math.
+
+    The root forward swaps the copies in; they are swapped back out when the backward of its loss ends (an
+    activation-checkpointed block recomputes with them) or, without autograd, when the forward returns. A copy is
+    remade when its parameter changed since (a load, an init); `AdamW` writes it in its update instead. Gradients
+    land on the copies; those of several micro-batches add up in fp32 (`accumulate_grads`), as FSDP's did."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype):
+        self.slots = [(module, name, p) for module in model.modules()
+                      for name, p in module._parameters.items() if p is not None]
+        self.copy_of = {p: nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
+                        for _, _, p in self.slots}
+        self.made_at: dict[nn.Parameter, int] = {}  # parameter → its `_version` when its copy was last written
+        model.register_forward_pre_hook(self._swap_in)
+        model.register_forward_hook(self._swap_out_after, always_call=True)
+
+    @torch.no_grad()
+    def _swap_in(self, *_) -> None:
+        for p, copy in self.copy_of.items():
+            if self.made_at.get(p) != p._version:
+                copy.copy_(p)
+                self.made_at[p] = p._version
+        for module, name, p in self.slots:
+            module._parameters[name] = self.copy_of[p]
+
+    def _swap_out(self) -> None:
+        for module, name, p in self.slots:
+            module._parameters[name] = p
+
+    def _swap_out_after(self, module: nn.Module, args, output) -> None:
+        loss = getattr(output, "loss", None)
+        if loss is None or not loss.requires_grad:
+            self._swap_out()
+            return
+        queue = torch.autograd.Variable._execution_engine.queue_callback  # runs when this backward ends
+        loss.register_hook(lambda grad: queue(self._swap_out))
+
+    def written(self, p: nn.Parameter) -> None:
+        """`p`'s copy was written with `p`'s current value."""
+        self.made_at[p] = p._version
+
+    def grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        """`p`'s gradient: its fp32 sum over micro-batches if `accumulate_grads` ran, else its copy's."""
+        return p.grad if p.grad is not None else self.copy_of[p].grad
+
+    @torch.no_grad()
+    def accumulate_grads(self) -> None:
+        """After a micro-batch's backward: add the copies' gradients into the parameters' fp32 ones."""
+        for p, copy in self.copy_of.items():
+            if copy.grad is not None:
+                p.grad = copy.grad.float() if p.grad is None else p.grad.add_(copy.grad)
+                copy.grad = None
+
+
+def _moments_back_to_state_dtype(optimizer: AdamW) -> None:
+    """Optimizer.load_state_dict casts every floating state to its parameter's dtype (fp32): undo it
+    (exactly, the values were bf16)."""
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key] = state[key].to(optimizer.state_dtype)
+
+
 class AdamW(torch.optim.Optimizer):
-    """torch.optim.AdamW's update with moments kept in `state_dtype` and an optional `grad_scale` for `step`."""
+    """torch.optim.AdamW's update with moments kept in `state_dtype` and an optional `grad_scale` for `step`;
+    with `compute_copies`, it reads their gradients and writes them the new weights in the same pass."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, state_dtype: torch.dtype = torch.bfloat16):
+                 eps: float = 1e-8, weight_decay: float = 1e-2, state_dtype: torch.dtype = torch.bfloat16,
+                 compute_copies: ComputeCopies | None = None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.state_dtype = state_dtype
+        self.compute_copies = compute_copies
         self.register_load_state_dict_post_hook(_moments_back_to_state_dtype)
+
+    def _grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        return p.grad if self.compute_copies is None else self.compute_copies.grad(p)
+
+    def grads(self) -> list[torch.Tensor]:
+        """The gradients the next `step` applies."""
+        return [g for group in self.param_groups for p in group["params"] if (g := self._grad(p)) is not None]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.compute_copies is not None:
+            for copy in self.compute_copies.copy_of.values():
+                copy.grad = None
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: torch.Tensor | None = None) -> None:
         """`grad_scale` (a 0-d tensor, e.g. the clipping factor) multiplies every gradient inside the update."""
         if closure is not None:
             raise ValueError("dsv3.optim.AdamW takes no closure")
-        scalars: dict = {}  # (lr, β1, β2, t, device) → (lr, 1 − β1ᵗ, √(1 − β2ᵗ)) on that device, made once
+        copies = self.compute_copies
+        scalars: dict = {}  # (lr, β1, β2, t, device) → (lr, 1 − β1ᵗ, √(1 − β2ᵗ), scale, seed) there, made once
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if p.grad is None:
+                grad = self._grad(p)
+                if grad is None:
                     continue
                 state = self.state[p]
                 if not state:
@@ -86,14 +193,17 @@ class AdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
                 state["step"] += 1
                 t = state["step"].item()
-                param = _local(p)
+                param = _flat_local(p)
                 key = (group["lr"], beta1, beta2, t, param.device)
                 if key not in scalars:  # tensors, not floats: a compiled update would recompile for every lr and t
                     values = [group["lr"], 1 - beta1 ** t, (1 - beta2 ** t) ** 0.5]
                     scale = torch.ones((), device=param.device) if grad_scale is None else grad_scale.to(param.device)
-                    scalars[key] = (*torch.tensor(values, dtype=torch.float64).to(param.device).unbind(), scale)
-                lr, bias_correction1, bias_correction2_sqrt, scale = scalars[key]
+                    seed = torch.tensor(int(t) * 0x2545F491 % 2**31, device=param.device)  # a new rounding each step
+                    scalars[key] = (*torch.tensor(values, dtype=torch.float64).to(param.device).unbind(), scale, seed)
+                lr, bias_correction1, bias_correction2_sqrt, scale, seed = scalars[key]
                 update = _adamw_update_cuda if param.is_cuda else adamw_update
-                update(param, _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]), lr,
-                       group["weight_decay"], beta1, beta2, group["eps"], bias_correction1, bias_correction2_sqrt,
-                       scale)
+                update(param, _flat_local(grad), _flat_local(state["exp_avg"]), _flat_local(state["exp_avg_sq"]),
+                       lr, group["weight_decay"], beta1, beta2, group["eps"], bias_correction1,
+                       bias_correction2_sqrt, scale, seed, None if copies is None else copies.copy_of[p].view(-1))
+                if copies is not None:
+                    copies.written(p)

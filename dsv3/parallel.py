@@ -178,7 +178,8 @@ def apply_expert_parallel(model: Transformer, meshes: Meshes, backend: str = "al
 
 def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                ep: int) -> None:
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # forward inputs keep their dtype: the fp32 RoPE tables stay fp32 (`apply_rope` computes in fp32)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     world = meshes.dense.size()
     expert_mesh = meshes.experts["efsdp"] if ep > 1 else meshes.dense
     for block in blocks(model):
@@ -266,12 +267,11 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 
 @torch.no_grad()
-def grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    """Global L2 norm over sharded gradients. Every DTensor here is sharded, never replicated, so local
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm (fp32) over sharded gradients. Every DTensor here is sharded, never replicated, so local
     squared sums add up over ranks exactly once, whatever mesh each lives on."""
-    grads = [p.grad for p in params if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    total_sq = torch.stack(torch._foreach_norm(local, 2.0)).float().pow(2).sum()
+    total_sq = torch.stack(torch._foreach_norm(local, 2.0, dtype=torch.float32)).pow(2).sum()
     if dist.is_initialized() and any(isinstance(g, DTensor) for g in grads):
         dist.all_reduce(total_sq)
     return total_sq.sqrt()
@@ -285,8 +285,9 @@ def clip_scale(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 @torch.no_grad()
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Global L2 norm over sharded gradients (`grad_norm`), clipped to max_norm in place."""
-    total = grad_norm(params)
-    local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None]
+    total = grad_norm(grads)
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     torch._foreach_mul_(local, clip_scale(total, max_norm))
     return total
 

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import train
-from dsv3 import checkpoint
-from dsv3.config import ModelConfig, TrainConfig, UserError
+from dsv3 import checkpoint, optim
+from dsv3.config import FLAVORS, ModelConfig, TrainConfig, UserError
 from dsv3.model import Transformer
 from conftest import free_port, load_export, torchrun_env, read_metrics
 
@@ -221,7 +222,7 @@ def test_a_run_directory_without_room_for_one_checkpoint_is_refused(tmp_path):
 _HOLD_LOCK = """
 import sys, time
 sys.path.insert(0, {root!r})
-from dsv3 import checkpoint
+from dsv3 import checkpoint, optim
 from dsv3.config import UserError
 checkpoint.lock_run_dir({run_dir!r})
 print("locked", flush=True)
@@ -257,3 +258,29 @@ def test_a_second_run_on_a_locked_directory_is_refused_on_every_rank_until_the_h
     checkpoint.lock_run_dir(tmp_path)
     assert (tmp_path / "lock").read_text() == f"{os.getpid()} {socket.gethostname()}\n"
     checkpoint.unlock_run_dir(tmp_path)
+
+
+def _with_compute_copies(seed: int = 0) -> tuple[Transformer, torch.optim.Optimizer, TrainConfig]:
+    torch.manual_seed(seed)
+    model = Transformer(replace(FLAVORS["debug"], n_layers=2, max_seq_len=32))
+    model.compute_copies = optim.ComputeCopies(model, torch.bfloat16)
+    t = TrainConfig(global_batch=2, micro_batch=2, seq_len=32, optimizer_state_dtype="bf16")
+    return model, train.build_optimizer(model, t, torch.device("cpu")), t
+
+
+def test_a_run_with_compute_copies_checkpoints_fp32_weights_and_resumes_exactly(tmp_path):
+    """The checkpoint holds the fp32 parameters, not their bf16 compute copies; after a load the copies are
+    remade from the loaded weights (a stale copy would train on the fresh init)."""
+    batches = torch.randint(0, 256, (4, 2, 33), generator=torch.Generator().manual_seed(3))
+    model, optimizer, t = _with_compute_copies()
+    for step in (1, 2):
+        train.train_step(model, optimizer, batches[step - 1], t, step)
+    saved = checkpoint.save(tmp_path, 2, model, optimizer, {"step": 2}, keep=1)
+    expected = [train.train_step(model, optimizer, batches[step - 1], t, step)[0] for step in (3, 4)]
+
+    fresh, fresh_optimizer, _ = _with_compute_copies(seed=1)
+    fresh(batches[0][:, :-1])  # its copies now hold its own init
+    checkpoint.load(saved, fresh, fresh_optimizer, {"step": 0})
+    assert {v.dtype for v in fresh.state_dict().values() if v.is_floating_point()} == {torch.float32}
+    got = [train.train_step(fresh, fresh_optimizer, batches[step - 1], t, step)[0] for step in (3, 4)]
+    assert torch.equal(torch.stack(got), torch.stack(expected))

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from dsv3 import optim, parallel
-from dsv3.config import FLAVORS, TrainConfig
+from dsv3.config import FLAVORS, Config, TrainConfig
 from dsv3.model import Transformer
-from train import build_optimizer, train_step
+from train import build_model, build_optimizer, train_step
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:
@@ -48,7 +48,7 @@ def test_grad_scale_in_the_step_equals_clip_then_step():
         for p, q in zip(ours, theirs):
             p.grad = torch.full(p.shape, 10.0 * (step + 1)) + torch.arange(p.numel()).view(p.shape)
             q.grad = p.grad.clone()
-        norm = parallel.grad_norm(ours)
+        norm = parallel.grad_norm([p.grad for p in ours])
         mine.step(grad_scale=parallel.clip_scale(norm, 1.0))
         assert torch.equal(parallel.clip_grad_norm_(theirs, 1.0), norm)  # the norm is still there to log
         reference.step()
@@ -58,11 +58,22 @@ def test_grad_scale_in_the_step_equals_clip_then_step():
 
 def test_stochastic_bf16_rounding_lands_on_a_neighbour_and_is_unbiased():
     x = torch.full((200_000,), 1.0 + 2 ** -9)  # a quarter of the way from 1 to the next bf16, 1 + 2⁻⁷
-    rounded = optim.round_to_bf16_stochastically(x).float()
+    noise = optim.random_bits(x, torch.tensor(7)) & 0xFFFF
+    rounded = optim.round_to_bf16_stochastically(x, noise).float()
     assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2 ** -7}
     assert abs(rounded.mean().item() - x[0].item()) < 2e-5  # nearest rounding would give 1.0 every time
     exact = torch.tensor([0.0, -3.0, 0.15625, 2.0 ** 100])  # already bf16: unchanged
-    assert torch.equal(optim.round_to_bf16_stochastically(exact).float(), exact)
+    assert torch.equal(optim.round_to_bf16_stochastically(exact, noise[:4]).float(), exact)
+
+
+def test_random_bits_are_uniform_in_both_halves_and_new_for_each_seed():
+    like = torch.empty(1 << 16)
+    bits = optim.random_bits(like, torch.tensor(12345))
+    for half in (bits & 0xFFFF, (bits >> 16) & 0xFFFF):  # m's and v's noise
+        counts = torch.bincount(half >> 12, minlength=16).float()  # 16 buckets of 4096 each expected
+        assert ((counts - 4096) ** 2 / 4096).sum() < 50  # χ², 15 degrees of freedom: 50 is p < 1e-5
+    assert (bits != optim.random_bits(like, torch.tensor(12346))).float().mean() > 0.99
+    assert torch.equal(bits, optim.random_bits(like, torch.tensor(12345)))
 
 
 def test_bf16_state_is_bf16_and_trains_the_debug_model_like_fp32_state():
@@ -101,3 +112,23 @@ def test_loading_a_state_dict_keeps_the_moments_bf16():
     for key in ("exp_avg", "exp_avg_sq"):
         assert optimizer.state[params[0]][key].dtype == torch.bfloat16
         assert torch.equal(optimizer.state[params[0]][key], saved[key])
+
+
+@pytest.mark.gpu
+def test_one_gpu_trains_bf16_compute_copies_that_the_fused_update_writes():
+    """On one GPU, train.build_model gives fp32 weights with bf16 compute copies (no FSDP); the compiled update
+    writes each copy as its weight rounded to bf16, gradients of 2 micro-batches add up in fp32, the loss falls."""
+    cfg = Config(model={"n_layers": 2, "max_seq_len": 64},
+                 train=TrainConfig(global_batch=4, micro_batch=2, seq_len=64, lr=3e-3, warmup_steps=0, steps=20,
+                                   optimizer_state_dtype="bf16"))
+    device = torch.device("cuda")
+    model = build_model(cfg, 1, device)
+    copies = model.compute_copies
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {c.dtype for c in copies.copy_of.values()} == {torch.bfloat16}
+    optimizer = build_optimizer(model, cfg.train, device)
+    batch = torch.randint(0, FLAVORS["debug"].vocab_size, (4, 65), device=device)
+    losses = [train_step(model, optimizer, batch, cfg.train, step)[0][0].item() for step in range(1, 21)]
+    assert losses[-1] < 0.8 * losses[0]
+    for p, copy in copies.copy_of.items():
+        assert torch.equal(copy, p.to(torch.bfloat16))

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsv3 import parallel
+from dsv3 import optim, parallel
 from dsv3.config import FLAVORS, Config, ParallelConfig, TrainConfig
 from dsv3.model import Transformer
 from dsv3.moe import MoE
@@ -372,3 +372,63 @@ def test_gradients_are_reduce_scattered_every_micro_batch_and_train_as_accumulat
     torch.testing.assert_close(got[False]["losses"], got[True]["losses"], rtol=1e-5, atol=1e-5)
     for name, param in got[True]["params"].items():
         torch.testing.assert_close(got[False]["params"][name], param, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def _copies_worker(rank: int, port: int, ac: str, out_path: str) -> None:
+    """One rank, bf16 compute: FSDP2's mixed precision, then compute copies, over the same steps."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    train = replace(TRAIN, optimizer_state_dtype="bf16")  # dsv3.optim's update on both sides
+    runs = {}
+    for name in ("fsdp", "copies"):
+        torch.manual_seed(0)
+        model = Transformer(CFG)
+        if name == "fsdp":
+            _parallelize(model, 1, 1, ac, torch.bfloat16)
+        else:
+            parallel.apply_activation_checkpointing(model, ac)
+            model.compute_copies = optim.ComputeCopies(model, torch.bfloat16)
+        optimizer = build_optimizer(model, train, torch.device("cpu"))
+        name_of = {p: _unwrapped(n) for n, p in model.named_parameters()}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        first_grads = {name_of[p]: _full(g).clone() for p, g in zip(params, _grads_of_first_step(optimizer))}
+        losses = [train_step(model, optimizer, batch, train, step)[0] for step, batch in enumerate(_batches(), 1)]
+        runs[name] = {"losses": torch.stack(losses), "grads": first_grads,
+                      "param_dtypes": {p.dtype for p in model.parameters()}}
+    torch.save(runs, out_path)
+    dist.destroy_process_group()
+
+
+def _grads_of_first_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Filled with the gradients the optimizer's first step applies, when it takes it."""
+    grads, step = [], optimizer.step
+
+    def recording_step(**kwargs):
+        if not grads:
+            grads.extend(g.detach().clone() for g in optimizer.grads())
+        step(**kwargs)
+
+    optimizer.step = recording_step
+    return grads
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_compute_copies_train_one_rank_as_fsdp_mixed_precision(ac, tmp_path):
+    """At one rank, bf16 compute copies (no FSDP) train as FSDP2's bf16-param / fp32-reduce mixed precision does:
+    the same bf16 weights in forward (step 1's losses are bit-equal), the same fp32 sums of TRAIN's 4 micro-batch
+    gradients, fp32 parameters; with full AC, the recompute in backward runs on the copies too. The embedding's
+    gradient, summed from its two uses (main and MTP), may round differently (one bf16 ulp on a few elements);
+    from there bf16 compute on this tiny model drifts apart within a few steps, so later losses only agree."""
+    out = tmp_path / "runs.pt"
+    mp.spawn(_copies_worker, args=(free_port(), ac, str(out)), nprocs=1)
+    copies, fsdp = (torch.load(out)[k] for k in ("copies", "fsdp"))
+    assert copies["param_dtypes"] == fsdp["param_dtypes"] == {torch.float32}
+    assert torch.equal(copies["losses"][0, :3], fsdp["losses"][0, :3])  # forward, before any update
+    assert copies["grads"].keys() == fsdp["grads"].keys()
+    for name, grad in fsdp["grads"].items():
+        assert copies["grads"][name].dtype == grad.dtype == torch.float32, name
+        if name == "embed.weight":
+            torch.testing.assert_close(copies["grads"][name], grad, rtol=0, atol=2 ** -8 * grad.abs().max().item())
+        else:
+            assert torch.equal(copies["grads"][name], grad), name
+    torch.testing.assert_close(copies["losses"], fsdp["losses"], rtol=2e-3, atol=0)
