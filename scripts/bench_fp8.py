@@ -71,8 +71,11 @@ def fp8_linear(recipe: str, linear: nn.Linear) -> nn.Module:
 def measure(module: nn.Module, inputs: tuple, iters: int, profile_iters: int) -> dict:
     """Median ms of a compiled silu → module → silu forward + backward, and its CUDA kernel ms split by phase."""
     torch._dynamo.reset()  # a fresh compile per module: the same code object would hit dynamo's recompile limit
+    torch._dynamo.utils.counters.clear()
     compiled = torch.compile(lambda h, *rest: F.silu(module(F.silu(h), *rest)))
+    started = time.perf_counter()
     grad = torch.randn_like(compiled(*inputs))
+    compile_s = time.perf_counter() - started
 
     def step() -> None:
         for p in (inputs[0], *module.parameters()):
@@ -97,6 +100,7 @@ def measure(module: nn.Module, inputs: tuple, iters: int, profile_iters: int) ->
                if e.device_type == torch.autograd.DeviceType.CUDA}
     gemm = sum(ms for name, ms in kernels.items() if phase_of(name) in GEMM_PHASES)
     return {"ms": statistics.median(times), "gemm_ms": gemm, "other_ms": sum(kernels.values()) - gemm,
+            "compile_s": compile_s, "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
             "kernels": {name[:120]: [round(ms, 4), phase_of(name)] for name, ms in kernels.items()}}
 
 
@@ -179,8 +183,9 @@ def main() -> None:
             speedup = f"{base['ms'] / r['ms']:.3f}×" if "ms" in base else "-"
             floor = f"{r['floor_gb']:8.3f} {r['floor_ms']:8.3f}" if "floor_gb" in r else f"{'-':>8} {'-':>8}"
             quant_ms = f"{r['quant_ms']:7.3f}" if "quant_ms" in r else f"{'-':>7}"
+            breaks = f"  {r['graph_breaks']} graph breaks" if r["graph_breaks"] else ""
             print(f"{f'{in_features}→{out_features}':>13} {count:>3} {recipe:<19} {r['ms']:7.3f} {speedup:>7} "
-                  f"{r['gemm_ms']:7.3f} {quant_ms} {floor}", flush=True)
+                  f"{r['gemm_ms']:7.3f} {quant_ms} {floor}{breaks}", flush=True)
         result["dense"].append(row)
         write_json(args.json, result)
         del h

@@ -19,7 +19,7 @@ from torch import nn
 from dsv3 import parallel, quant
 from dsv3.config import FLAVORS, load_config
 from dsv3.model import RMSNorm, Transformer
-from dsv3.moe import GroupedExperts, MoE, Router, grouped_mm, pad_groups
+from dsv3.moe import MLP, GroupedExperts, MoE, Router, grouped_mm, pad_groups
 from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -518,6 +518,26 @@ def test_fp8_blockwise_linear_follows_bf16_on_hopper(triton_gemms):
     assert 0 < ((y - y_ref).float().norm() / y_ref.float().norm()).item() < 0.1  # one e4m3 GEMM: ~0.04
     for g, g_ref in ((x.grad, x_ref.grad), (blockwise.weight.grad, reference.weight.grad)):
         assert F.cosine_similarity(g.float().flatten(), g_ref.float().flatten(), dim=0).item() > 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_fp8_linears_never_wait_for_the_gpu(recipe, every_width):
+    """No .item(), .tolist() or data-dependent branch in torchao's scaling: the host never waits for a step."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability >= 8.9")
+    torch.manual_seed(0)
+    mlp = MLP(CFG.dim, CFG.inter_dim).to("cuda", torch.bfloat16)  # SwiGLU: three fp8 linears
+    assert len(quant.apply(mlp, "fp8", "bf16", recipe, fsdp=False)) == 3
+    x = torch.randn(256, CFG.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any device→host copy or synchronize raises
+    try:
+        y = mlp(x)
+        (y * torch.randn_like(y)).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(y).all() and torch.isfinite(mlp.w1.weight.grad).all()
 
 
 @pytest.mark.gpu
