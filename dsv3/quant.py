@@ -10,7 +10,7 @@ each call in one function named for what it does, and imported only here, only w
                                         bf16, which drops the two quantizations along the token axis.
                     tensorwise          one scale per tensor; under FSDP2 the weights are all-gathered in fp8:
                                         call `precompute_fp8_scales(model)` after every optimizer step.
-                    blockwise           DeepSeek-V3's recipe (§3.3.1): 1×128 activation tiles, 128×128 weight
+                    blockwise           DeepSeek-V3's recipe (§3.3.2): 1×128 activation tiles, 128×128 weight
                                         blocks (torchao.prototype.blockwise_fp8_training, Hopper + Triton;
                                         features and the tokens of a micro-batch in multiples of 128).
                   Decided by shape: only linears with min(in_features, out_features) ≥ FP8_MIN_FEATURES are
