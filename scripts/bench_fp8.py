@@ -189,13 +189,20 @@ def main() -> None:
         result["dense"].append(row)
         write_json(args.json, result)
         del h
-    totals = {recipe: sum(row["count"] * row["recipes"][recipe]["ms"] for row in result["dense"])
-              for recipe in recipes
-              if all("ms" in row["recipes"].get(recipe, {}) for row in result["dense"])}
-    if totals:  # recipes that ran at every shape: the dense linears of one micro-batch, summed
-        result["dense_total_ms"] = totals
-        print("  Σ ×n · ms, every linear above (one micro-batch): " +
-              ", ".join(f"{recipe} {ms:.1f} ms" for recipe, ms in totals.items()), flush=True)
+    # the dense linears of one micro-batch, summed (×n), for the recipes that ran at every shape; a shape blockwise
+    # cannot take stays bf16, as in training
+    def measured(row: dict, recipe: str) -> dict:
+        return row["recipes"].get(recipe, row["recipes"].get("bf16", {}))
+
+    complete = [recipe for recipe in recipes if all("ms" in measured(row, recipe) for row in result["dense"])]
+    totals = {recipe: {key: sum(row["count"] * measured(row, recipe).get(key, 0.0) for row in result["dense"])
+                       for key in ("ms", "gemm_ms", "quant_ms", "floor_ms")} for recipe in complete}
+    if totals:
+        result["dense_total"] = totals
+        print("  Σ over the linears above, ×n:")
+        for recipe, total in totals.items():
+            print(f"    {recipe:<19} {total['ms']:8.2f} ms, GEMMs {total['gemm_ms']:8.2f} ms, quantization "
+                  f"{total['quant_ms']:7.2f} ms (floor {total['floor_ms']:.2f} ms)", flush=True)
 
     # routed experts: one GroupedExperts (w13 and w2 grouped GEMMs, SwiGLU between) at balanced, aligned groups
     group = quant.GROUP_ALIGN["fp8"]
