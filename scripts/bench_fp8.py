@@ -5,8 +5,8 @@ For each distinct (in_features, out_features) of the dense linears dsv3.quant ma
 width: this table is what FP8_MIN_FEATURES is set from), one linear's forward + backward over the tokens of a
 micro-batch, compiled, between two elementwise ops as in the model (a norm or SwiGLU makes its input, another op
 takes its output), so that inductor can fuse the activation and gradient quantization into them: bf16 beside each
-fp8 recipe. torch.profiler splits the time into GEMM kernels and the rest; "quant" is the rest beyond bf16's (the
-elementwise ops themselves), beside its bandwidth floor (FLOOR). Then the routed experts (both grouped GEMMs and
+fp8 recipe. torch.profiler splits the time into GEMM kernels and the rest; "quant" is the rest less bf16's rest
+(the two elementwise ops), beside its bandwidth floor (FLOOR). Then the routed experts (both grouped GEMMs and
 SwiGLU, tokens × top-k / n_routed_experts rows per expert aligned to 16): bf16 beside quant.fp8_rowwise_grouped_mm.
 Every recipe runs guarded: one that fails prints its error and the others still run; --json is rewritten after
 every shape, so a run cut short keeps what it measured.
