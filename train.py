@@ -126,7 +126,7 @@ def build_optimizer(model: Transformer, t: TrainConfig, device: torch.device) ->
 def check_setup(cfg: Config, world: int, device: torch.device) -> None:
     """What this machine and world size must satisfy before a model is built: precision, EP, batch."""
     t, p = cfg.train, cfg.parallel
-    quant.check_precision(t.precision, t.expert_precision, device, t.micro_batch * t.seq_len)
+    quant.check_precision(t.precision, t.expert_precision, device, t.micro_batch * t.seq_len, t.fp8_recipe)
     parallel.check_ep(p.ep, world, cfg.model_config().n_routed_experts)
     parallel.check_ep_backend(p.ep_backend, p.ep, device, p.deepep_sms)
     if t.global_batch % (t.micro_batch * world):

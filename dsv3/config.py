@@ -151,7 +151,7 @@ class TrainConfig:
     precision: str = "bf16"  # bf16 | fp8 | mxfp8 | mxfp8-emulated
     expert_precision: str = "bf16"  # bf16 | low (the `precision` path for the routed experts)
     optimizer_state_dtype: str = "fp32"  # fp32 | bf16: AdamW's moments (the paper keeps them in bf16, §3.3)
-    fp8_recipe: str = "rowwise"  # rowwise | tensorwise (tensorwise all-gathers fp8 under FSDP2)
+    fp8_recipe: str = "rowwise"  # rowwise | rowwise_with_gw_hp | tensorwise | blockwise: see dsv3/quant.py
     precision_skip: list[str] = field(default_factory=list)  # dense linears whose name contains one stay bf16
     compile: bool = False  # torch.compile each block
     activation_checkpoint: str = "none"  # none | full | selective
@@ -224,7 +224,7 @@ _SECTIONS = ("train", "data", "parallel", "checkpoint", "log")
 _CHOICES = {
     ("train", "precision"): ("bf16", "fp8", "mxfp8", "mxfp8-emulated"),
     ("train", "expert_precision"): ("bf16", "low"),
-    ("train", "fp8_recipe"): ("rowwise", "tensorwise"),
+    ("train", "fp8_recipe"): ("rowwise", "rowwise_with_gw_hp", "tensorwise", "blockwise"),
     ("train", "optimizer_state_dtype"): ("fp32", "bf16"),
     ("train", "activation_checkpoint"): ("none", "full", "selective"),
     ("train", "device"): ("auto", "cpu", "cuda"),

@@ -25,24 +25,30 @@ from dsv3 import parallel  # noqa: E402
 from dsv3.config import load_config, run_main  # noqa: E402
 from dsv3.metrics import flops_per_token, memory_stats, mfu, peak_flops  # noqa: E402
 
-# First match wins: kernel-name fragments (lower case) → phase.
+# First match wins: kernel-name fragments (lower case; a tuple: all of them) → phase.
 PHASES = [
     ("optimizer", ("adam", "multi_tensor_apply", "lerp")),  # lerp: dsv3.optim's compiled update (bf16 moments)
     ("attention", ("sdpa", "fmha", "flash", "attention", "cudnn")),
     ("loss", ("softmax", "nll_loss", "cross_entropy", "logsumexp", "chunk_loss")),
     ("expert GEMMs", ("grouped", "group_gemm", "ptrarray", "groupproblem")),
     ("dense GEMMs", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")),
-    # torchao's scale-and-cast kernels, and inductor's fusions of them (rowwise scales: amax → exp2(floor(log2)))
-    ("fp8 quantize", ("fp8", "amax", "exp2_floor_log2")),
+    # torchao's Triton scale-and-cast kernels (triton_fp8_blockwise_*, _triton_fp8_rowwise_*, ...), eager casts to
+    # e4m3 (FSDP's fp8 all-gather), inductor's fusions of the scales: rowwise amax → exp2(floor(log2)), tensorwise
+    # max(abs)
+    ("fp8 quantize", ("fp8", "e4m3", "amax", "abs_max", "exp2_floor_log2")),
     ("communication", ("nccl", "all_gather", "reduce_scatter", "alltoall", "deep_ep")),
     ("routing + permutation", ("sort", "topk", "radix", "scatter", "gather", "index", "cumsum", "bmm")),
+    # inductor names a kernel from its sorted aten ops: a cast is x·scale clamped to e4m3 (..._to_copy_abs_clamp_max_
+    # mul... for tensorwise, maybe fused into the norm or SwiGLU that made x), _scaled_mm takes 1/scale; after routing,
+    # whose combine also clamps
+    ("fp8 quantize", (("_to_copy", "clamp"), "reciprocal")),
 ]
 
 
 def phase_of(kernel: str) -> str:
     name = kernel.lower()
     for phase, fragments in PHASES:
-        if any(f in name for f in fragments):
+        if any(f in name if isinstance(f, str) else all(part in name for part in f) for f in fragments):
             return phase
     return "other"
 

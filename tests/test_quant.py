@@ -19,7 +19,7 @@ from torch import nn
 from dsv3 import parallel, quant
 from dsv3.config import FLAVORS, load_config
 from dsv3.model import RMSNorm, Transformer
-from dsv3.moe import GroupedExperts, MoE, Router, grouped_mm, pad_groups
+from dsv3.moe import MLP, GroupedExperts, MoE, Router, grouped_mm, pad_groups
 from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +37,12 @@ def converted_class(precision: str) -> type:
     return MXFP8Linear
 
 
+@pytest.fixture
+def every_width(monkeypatch):
+    """fp8 converts the debug model's narrow linears too (FP8_MIN_FEATURES is a speed rule, not a numerics one)."""
+    monkeypatch.setattr(quant, "FP8_MIN_FEATURES", 0)
+
+
 def moe_layer(align: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> MoE:
     """A debug-sized MoE with weights large enough that every expert's output matters."""
     torch.manual_seed(seed)
@@ -52,7 +58,7 @@ def moe_layer(align: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> 
 
 
 @pytest.mark.parametrize("precision,expert_precision", [("fp8", "low"), ("mxfp8", "low"), ("mxfp8-emulated", "bf16")])
-def test_only_trunk_linears_are_converted_and_names_are_unchanged(precision, expert_precision):
+def test_only_trunk_linears_are_converted_and_names_are_unchanged(precision, expert_precision, every_width):
     model = Transformer(CFG)
     keys = list(model.state_dict())
     params = dict(model.named_parameters())
@@ -103,8 +109,9 @@ def test_bf16_changes_nothing():
     assert all(m.dispatcher.align == 1 for m in model.modules() if isinstance(m, MoE))
 
 
-@pytest.mark.parametrize("precision,recipe", [("mxfp8-emulated", "rowwise"), ("fp8", "tensorwise")])
-def test_conversion_on_the_meta_device_then_materialise(precision, recipe):
+@pytest.mark.parametrize("precision,recipe", [("mxfp8-emulated", "rowwise"), ("fp8", "tensorwise"),
+                                              ("fp8", "rowwise_with_gw_hp")])
+def test_conversion_on_the_meta_device_then_materialise(precision, recipe, every_width):
     """train.py converts the meta-device model (CUDA), then runs to_empty + init_weights."""
     with torch.device("meta"):
         model = Transformer(CFG)
@@ -121,6 +128,66 @@ def test_expert_dims_that_low_precision_cannot_take_are_a_clear_error():
         quant.apply(model, "mxfp8-emulated", "low")
 
 
+def model_671b_cut() -> Transformer:
+    """configs/671b_3layer.toml's model (1 dense + 2 MoE layers at the 671B's widths) on the meta device."""
+    with torch.device("meta"):
+        return Transformer(load_config(str(ROOT / "configs" / "671b_3layer.toml"), []).model_config())
+
+
+def test_fp8_converts_only_linears_at_least_fp8_min_features_wide():
+    model = model_671b_cut()
+    trunk = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "head"}
+
+    converted = set(quant.apply(model, "fp8", "bf16", "rowwise"))
+
+    wide = {n for n, m in trunk.items() if min(m.in_features, m.out_features) >= quant.FP8_MIN_FEATURES}
+    assert converted == wide
+    # at the 671B's widths: the dense FFN, the shared experts and wo are converted; MLA's low-rank projections
+    # (q_lora_rank 1536, kv_lora_rank 512) are not
+    assert {"layers.0.ffn.w1", "layers.0.ffn.w2", "layers.1.ffn.shared_experts.w2", "layers.1.attn.wo"} <= converted
+    assert not converted & {"layers.0.attn.wq_a", "layers.0.attn.wq_b", "layers.0.attn.wkv_a", "layers.0.attn.wkv_b"}
+    modules = dict(model.named_modules())
+    assert all(type(modules[n]) is nn.Linear for n in set(trunk) - converted)
+
+
+def test_the_shape_rule_is_fp8_only():
+    """MXFP8 and the others keep converting every linear their kernels can take."""
+    model = model_671b_cut()
+    assert "layers.0.attn.wkv_b" in quant.apply(model, "mxfp8-emulated", "bf16")
+
+
+def test_blockwise_takes_only_linears_in_whole_128_blocks():
+    model = model_671b_cut()
+    rowwise = set(quant.convertible_linears(model, "fp8", "rowwise", min_features=0))
+    blockwise = set(quant.convertible_linears(model, "fp8", "blockwise", min_features=0))
+    # wkv_a: 7168 → kv_lora_rank + qk_rope_head_dim = 576, not a multiple of 128
+    assert rowwise - blockwise == {f"layers.{i}.attn.wkv_a" for i in range(3)}
+    for name in blockwise:
+        m = model.get_submodule(name)
+        assert m.in_features % 128 == 0 and m.out_features % 128 == 0
+
+
+def test_fp8_recipes_configure_torchao_and_keep_the_weight_parameters(every_width):
+    from torchao.float8.config import ScalingType
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    def convert(recipe: str, fsdp: bool = True) -> tuple[nn.Parameter, nn.Module]:
+        model = Transformer(CFG)
+        weight = model.layers["0"].ffn.w1.weight
+        quant.apply(model, "fp8", "bf16", recipe, fsdp=fsdp)
+        return weight, model.layers["0"].ffn.w1
+
+    weight, gw_hp = convert("rowwise_with_gw_hp")
+    assert gw_hp.weight is weight
+    # bf16 weight-gradient GEMM: neither x nor grad_out is quantized along the token axis
+    assert gw_hp.config.cast_config_input_for_grad_weight.scaling_type is ScalingType.DISABLED
+    assert gw_hp.config.cast_config_grad_output_for_grad_weight.scaling_type is ScalingType.DISABLED
+    _, sharded = convert("tensorwise")  # FSDP2 all-gathers the weight in fp8
+    assert isinstance(sharded.weight, WeightWithDynamicFloat8CastTensor)
+    weight, unsharded = convert("tensorwise", fsdp=False)  # no FSDP: no all-gather, no weight subclass
+    assert unsharded.weight is weight and type(unsharded.weight) is nn.Parameter
+
+
 # ------------------------------------------------------------------------------------------- numerics
 
 # MXFP8 and fp8 store e4m3: 3 mantissa bits, so each element is rounded by up to 2^-4 relative; one GEMM then
@@ -132,8 +199,8 @@ def test_expert_dims_that_low_precision_cannot_take_are_a_clear_error():
 # still refuses fp8 training on a CPU (no speed-up, and its expert GEMM needs Triton).
 @pytest.mark.parametrize("precision,expert_precision,recipe", [
     ("mxfp8-emulated", "bf16", "rowwise"), ("mxfp8-emulated", "low", "rowwise"),
-    ("fp8", "bf16", "rowwise"), ("fp8", "bf16", "tensorwise")])
-def test_low_precision_model_stays_close_to_bf16(precision, expert_precision, recipe):
+    ("fp8", "bf16", "rowwise"), ("fp8", "bf16", "tensorwise"), ("fp8", "bf16", "rowwise_with_gw_hp")])
+def test_low_precision_model_stays_close_to_bf16(precision, expert_precision, recipe, every_width):
     torch.manual_seed(0)
     reference = Transformer(CFG).to(torch.bfloat16)  # MXFP8 emulation quantizes from bf16
     model = copy.deepcopy(reference)
@@ -322,8 +389,8 @@ def test_modes_the_device_cannot_run_are_clear_errors(monkeypatch):
         quant.check_precision("fp4", "bf16", cpu)
     with pytest.raises(ValueError, match="unknown train.expert_precision='fp8'"):
         quant.check_precision("bf16", "fp8", cpu)
-    with pytest.raises(ValueError, match="unknown train.fp8_recipe"):
-        quant.apply(Transformer(CFG), "fp8", "bf16", "blockwise")
+    with pytest.raises(ValueError, match="unknown train.fp8_recipe='deepseek'.*rowwise_with_gw_hp.*blockwise"):
+        quant.apply(Transformer(CFG), "fp8", "bf16", "deepseek")
     with pytest.raises(ValueError, match=r"micro_batch × train.seq_len \(252\) to be a multiple of 32"):
         quant.check_precision("mxfp8-emulated", "bf16", cpu, tokens=4 * 63)
     quant.check_precision("bf16", "bf16", cpu, tokens=4 * 63)
@@ -336,6 +403,28 @@ def test_modes_the_device_cannot_run_are_clear_errors(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # A100
     with pytest.raises(ValueError, match="fp8 needs compute capability >= 8.9.*this GPU has 8.0"):
         quant.check_precision("fp8", "bf16", gpu)
+
+
+def test_blockwise_needs_hopper_and_whole_128_token_tiles(monkeypatch):
+    with pytest.raises(ValueError, match="fp8 needs a CUDA GPU"):
+        quant.check_precision("fp8", "bf16", torch.device("cpu"), fp8_recipe="blockwise")
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))  # B200
+    with pytest.raises(ValueError, match="blockwise runs torchao's Hopper kernels.*10.0.*fp8_recipe=rowwise"):
+        quant.check_precision("fp8", "bf16", gpu, fp8_recipe="blockwise")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with pytest.raises(ValueError, match=r"blockwise\) needs .*\(4000\) to be a multiple of 128.*128-token tiles"):
+        quant.check_precision("fp8", "bf16", gpu, tokens=8 * 500, fp8_recipe="blockwise")
+    quant.check_precision("fp8", "bf16", gpu, tokens=8 * 500, fp8_recipe="rowwise")  # 16 divides 4000
+
+
+def test_blockwise_without_triton_names_the_install_command(monkeypatch):
+    for name in [m for m in sys.modules if m == "triton" or m.startswith(("triton.", "torchao.prototype.blockwise"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with pytest.raises(ImportError, match="blockwise runs torchao's Triton kernels: pip install triton"):
+        quant.check_precision("fp8", "bf16", torch.device("cuda", 0), tokens=4096, fp8_recipe="blockwise")
 
 
 def test_missing_torchao_names_the_install_command(monkeypatch):
@@ -372,12 +461,16 @@ def _train(tmp_path, *overrides: str) -> list[dict]:
 @pytest.mark.parametrize("overrides", [
     ("--train.precision=fp8",),
     ("--train.precision=fp8", "--train.fp8_recipe=tensorwise"),
+    ("--train.precision=fp8", "--train.fp8_recipe=rowwise_with_gw_hp"),
+    ("--train.precision=fp8", "--train.fp8_recipe=blockwise"),  # converts wo, the debug model's one 128×128
     ("--train.precision=fp8", "--train.expert_precision=low"),
     ("--train.precision=mxfp8-emulated", "--train.expert_precision=low"),
 ])
-def test_low_precision_trains_on_cuda(tmp_path, overrides):
+def test_low_precision_trains_on_cuda(tmp_path, overrides, every_width):
     if torch.cuda.get_device_capability() < (8, 9) and "--train.precision=fp8" in overrides:
         pytest.skip("fp8 needs compute capability >= 8.9")
+    if torch.cuda.get_device_capability()[0] != 9 and "--train.fp8_recipe=blockwise" in overrides:
+        pytest.skip("fp8 blockwise runs on Hopper")
     metrics = _train(tmp_path, *overrides)  # train.main raises on the first non-finite loss
     losses = [m["loss"] for m in metrics if "loss" in m]
     assert len(losses) == 5 and all(torch.isfinite(torch.tensor(losses)))  # steps 1, 5, 10, 15, 20
@@ -404,6 +497,47 @@ def test_fp8_rowwise_experts_follow_the_bf16_experts_on_cuda():
     assert 0 < ((y - y_ref).float().norm() / y_ref.float().norm()).item() < 0.1
     for p, q in zip(low.parameters(), experts.parameters()):
         assert F.cosine_similarity(p.grad.float().flatten(), q.grad.float().flatten(), dim=0).item() > 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("triton_gemms", [False, True])
+def test_fp8_blockwise_linear_follows_bf16_on_hopper(triton_gemms):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fp8 blockwise runs on Hopper")
+    torch.manual_seed(0)
+    linear = nn.Linear(512, 384, bias=False, device="cuda", dtype=torch.bfloat16)
+    reference = copy.deepcopy(linear)
+    blockwise = quant.to_fp8_blockwise_linear(linear, triton_gemms)
+    assert blockwise.weight is linear.weight
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y, y_ref = blockwise(x), reference(x_ref)
+    r = torch.randn_like(y)
+    (y * r).sum().backward()
+    (y_ref * r).sum().backward()
+    assert 0 < ((y - y_ref).float().norm() / y_ref.float().norm()).item() < 0.1  # one e4m3 GEMM: ~0.04
+    for g, g_ref in ((x.grad, x_ref.grad), (blockwise.weight.grad, reference.weight.grad)):
+        assert F.cosine_similarity(g.float().flatten(), g_ref.float().flatten(), dim=0).item() > 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_fp8_linears_never_wait_for_the_gpu(recipe, every_width):
+    """No .item(), .tolist() or data-dependent branch in torchao's scaling: the host never waits for a step."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability >= 8.9")
+    torch.manual_seed(0)
+    mlp = MLP(CFG.dim, CFG.inter_dim).to("cuda", torch.bfloat16)  # SwiGLU: three fp8 linears
+    assert len(quant.apply(mlp, "fp8", "bf16", recipe, fsdp=False)) == 3
+    x = torch.randn(256, CFG.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any device→host copy or synchronize raises
+    try:
+        y = mlp(x)
+        (y * torch.randn_like(y)).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(y).all() and torch.isfinite(mlp.w1.weight.grad).all()
 
 
 @pytest.mark.gpu
