@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from dsv3 import checkpoint, deepep, optim, parallel, quant
 from dsv3.config import Config, TrainConfig, UserError, help_text, load_config, run_main
@@ -80,7 +81,8 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torc
     else:
         grad_norm = parallel.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], t.grad_clip)
         optimizer.step()
-    if t.precision == "fp8" and t.fp8_recipe == "tensorwise":  # fp8 all-gather reuses scales computed now
+    if t.precision == "fp8" and t.fp8_recipe == "tensorwise" and isinstance(model, FSDPModule):
+        # fp8 all-gather reuses scales computed now
         quant.precompute_fp8_scales(model)
     optimizer.zero_grad(set_to_none=True)
     # every rank must hold the same expert bias: sum the counts over the whole global batch first
@@ -142,7 +144,7 @@ def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
     torch.manual_seed(t.seed)
     with torch.device("meta" if device.type == "cuda" else device):
         model = Transformer(mcfg)
-    quant.apply(model, t.precision, t.expert_precision, t.fp8_recipe, t.precision_skip)
+    quant.apply(model, t.precision, t.expert_precision, t.fp8_recipe, t.precision_skip, fsdp=world > 1)
     if world > 1:
         meshes = parallel.build_meshes(device.type, world, cfg.parallel.ep)
         if cfg.parallel.ep > 1:

@@ -1,8 +1,9 @@
 """The run planner: per-GPU memory, itemised, and step time / tokens per second per GPU, from a Config, a GPU
 count and a GPU kind, before anything is built. train.py checks the plan at start-up; scripts/plan.py prints it.
 
-Memory follows what the trainer holds (FSDP2 with bf16 compute over fp32 master weights, AdamW): sharded fp32
-parameters and gradients, two moments, FSDP's unsharded bf16 buffers, the tensors each block saves for backward
+Memory follows what the trainer holds (bf16 compute over fp32 master weights, AdamW): sharded fp32 parameters
+and gradients, two moments, the bf16 compute weights (FSDP2's unsharded buffers; on one GPU, without FSDP, bf16
+copies of every weight, whose gradients stay bf16 unless micro-batches add up), the tensors each block saves for backward
 by activation-checkpointing mode, the chunked loss, EP's receive buffers. The peak is taken over a sweep of the
 backward pass: activations are freed block by block while sharded gradients appear.
 Step time: FLOPs at measured kernel rates, memory-bound work over HBM bandwidth, and the exposed part of FSDP's
@@ -54,13 +55,14 @@ ACTIVATION_FACTOR = 0.75
 # cuBLAS/cuDNN and compiled-kernel workspaces. The CUDA context is not in max_memory_allocated, nor in this plan:
 # FIT_FRACTION leaves room for it and for the allocator's reserved-but-free blocks.
 OVERHEAD_GIB = 0.5
-# fused AdamW streams each state once: achieved fraction of HBM bandwidth (34 ms on H100, 66 ms on H200)
-OPTIMIZER_HBM_EFFICIENCY = 0.53
+# AdamW streams each state once: achieved fraction of HBM bandwidth, dsv3.optim's compiled update (one GPU, or
+# bf16 moments) and torch's fused one (fp32 moments under FSDP2)
+OPTIMIZER_HBM_EFFICIENCY = {"dsv3": 0.77, "torch": 0.53}
 # elementwise ops, norms, copies, routing, permutation and the loss's softmax: the bytes of the activations the
-# blocks write (the no-AC saved set) and of FSDP's per-micro-batch casts of the unsharded parameters and
+# blocks write (the no-AC saved set) and, under FSDP, of its per-micro-batch casts of the unsharded parameters and
 # gradients (fp32 → bf16 parameters, bf16 → fp32 gradients: 14 bytes each), at this fraction of HBM bandwidth
-# (fitted to the two one-GPU profiles' other + routing + loss time)
-OTHER_HBM_EFFICIENCY = 0.225
+# (fitted to the one-GPU profiles' other + routing + loss + idle time)
+OTHER_HBM_EFFICIENCY = 0.15
 # our all_to_all reaches this fraction of the link bandwidth (one 16B MoE layer's four exchanges: 6.1 ms on
 # 2 H200s); it blocks on the split sizes, so it is never overlapped with compute
 ALL_TO_ALL_EFFICIENCY = 0.29
@@ -129,7 +131,7 @@ class Plan:
         return (f"plan: {self.memory_gib_per_gpu:.1f} GiB per GPU of {self.capacity_gib:.1f} (params "
                 f"{m['parameters']:.1f}, grads {m['gradients']:.1f}, optimizer {m['optimizer states']:.1f}, "
                 f"activations {m['activations'] + m['ep receive buffers']:.1f}, other "
-                f"{m['fsdp unsharded buffers'] + m['loss (chunked)'] + m['mtp'] + m['overhead']:.1f}), "
+                f"{m['bf16 compute weights'] + m['loss (chunked)'] + m['mtp'] + m['overhead']:.1f}), "
                 f"~{self.tokens_per_s_per_gpu / 1e3:.1f}k tokens/s per GPU on {self.gpus} × {self.gpu}")
 
     def as_dict(self) -> dict:
@@ -165,7 +167,9 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
     is_moe = [i >= mc.n_dense_layers for i in range(mc.n_layers)] + [True] * mc.n_mtp_layers  # per block
     params_per_block = [block_params(mc, moe) for moe in is_moe]
     unsharded = [2 * (bd + be / ep) for bd, be in params_per_block]  # bf16, as all-gathered for compute
-    grads = [4 * (bd + be) / gpus for bd, be in params_per_block]  # fp32, reduce-scattered
+    # fp32, reduce-scattered; on one GPU the compute copies' bf16 gradients, unless summed over micro-batches in fp32
+    grad_bytes = 2 if gpus == 1 and micro_batches == 1 else 4
+    grads = [grad_bytes * (bd + be) / gpus for bd, be in params_per_block]
     saved = [_saved_per_token(mc, moe, ep) for moe in is_moe]
     saved_local = [_saved_per_token(mc, moe, 1) for moe in is_moe]  # the same tokens without EP
     mode = t.activation_checkpoint
@@ -187,7 +191,7 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
     # bf16 and in fp32 for the reduce-scatter, unsharded parameters: on one GPU all blocks not yet reached, kept
     # since forward, else block i and the prefetched i−1); the optimizer step (every gradient).
     def held(i: int) -> float:
-        return sum(unsharded[:i + 1]) if gpus == 1 else unsharded[i] + (unsharded[i - 1] if i else 0.0)
+        return sum(unsharded) if gpus == 1 else unsharded[i] + (unsharded[i - 1] if i else 0.0)
 
     def saved_through(i: int, loss: float) -> dict[str, float]:
         """What blocks 0..i hold for backward, the MTP blocks' share (and their own loss's) on its own line."""
@@ -198,23 +202,26 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
                 "loss (chunked)": loss}
 
     n = len(is_moe)
-    phases = [{"gradients": 0.0, "fsdp unsharded buffers": held(n - 1),
+    phases = [{"gradients": 0.0, "bf16 compute weights": held(n - 1),
                **saved_through(n - 1, loss_saved + loss_transient)}]
     for i in reversed(range(n)):
-        in_flight = 6 * (params_per_block[i][0] + params_per_block[i][1] / ep)
-        phase = {"gradients": sum(grads[i + 1:]) + 4 * root / gpus, "fsdp unsharded buffers": held(i) + in_flight,
+        # bf16 gradient, and its fp32 cast for the reduce-scatter (on one GPU: the bf16 one, if micro-batches add up)
+        in_flight_bytes = 6 if gpus > 1 else 2 if micro_batches > 1 else 0
+        in_flight = in_flight_bytes * (params_per_block[i][0] + params_per_block[i][1] / ep)
+        phase = {"gradients": sum(grads[i + 1:]) + grad_bytes * root / gpus, "bf16 compute weights": held(i) + in_flight,
                  **saved_through(i, loss_saved)}
         phase["activations"] += recompute
         phases.append(phase)
-    phases.append({"gradients": 4 * sharded, "fsdp unsharded buffers": 0.0, "ep receive buffers": 0.0,
+    phases.append({"gradients": grad_bytes * sharded, "bf16 compute weights": held(0) if gpus == 1 else 0.0,
+                   "ep receive buffers": 0.0,
                    "activations": 0.0, "mtp": 0.0, "loss (chunked)": 0.0})
     peak = max(phases, key=lambda parts: sum(parts.values()))
     memory = {
         "parameters": 4 * sharded / GIB,
         "gradients": (peak["gradients"] + unsharded_grads) / GIB,
         "optimizer states": 2 * state_bytes * sharded / GIB,
-        # the root (embedding, head) stays unsharded from forward to the end of backward
-        "fsdp unsharded buffers": (2 * root + peak["fsdp unsharded buffers"]) / GIB,
+        # the root (embedding, head) stays unsharded from forward to the end of backward (one GPU: always)
+        "bf16 compute weights": (2 * root + peak["bf16 compute weights"]) / GIB,
         "ep receive buffers": peak["ep receive buffers"] / GIB,
         "activations": peak["activations"] / GIB,
         "loss (chunked)": peak["loss (chunked)"] / GIB,
@@ -228,7 +235,7 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
     dense_matmul = active_matmul_params(mc) - expert_matmul
     attention = 3 * len(is_moe) * mc.n_heads * (mc.qk_head_dim + mc.v_head_dim) * t.seq_len
     activation_bytes = T * 2 * (sum(s["none"] for s in saved) + (1 + mc.n_mtp_layers) * mc.vocab_size)
-    other_bytes = activation_bytes + 14 * (dense + experts / ep)
+    other_bytes = activation_bytes + (14 * (dense + experts / ep) if gpus > 1 else 0)  # FSDP's casts
     dense_s = 6 * dense_matmul * T / (kind.dense_tflops * 1e12)
     expert_s = 6 * expert_matmul * T / (kind.grouped_tflops * 1e12)
     attention_s = attention * T / (kind.attention_tflops * 1e12)
@@ -241,8 +248,10 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
                    "selective": (blocks_dense_s * n_moe / len(is_moe) + recomputed_other_s) / 3,
                    "full": (blocks_dense_s + expert_s + attention_s + recomputed_other_s) / 3}[t.activation_checkpoint]
     compute_s = dense_s + expert_s + attention_s + other_s + recompute_s
-    # AdamW reads parameter, gradient and moments and writes parameter and moments
-    optimizer_s = sharded * (3 * 4 + 4 * state_bytes) / (OPTIMIZER_HBM_EFFICIENCY * kind.hbm_tb_s * 1e12)
+    # AdamW reads parameter, gradient and moments and writes parameter and moments (one GPU: the gradient and the
+    # written compute copy are bf16, the same bytes); dsv3.optim's update or torch's fused one
+    efficiency = OPTIMIZER_HBM_EFFICIENCY["dsv3" if gpus == 1 or state_bytes == 2 else "torch"]
+    optimizer_s = sharded * (3 * 4 + 4 * state_bytes) / (efficiency * kind.hbm_tb_s * 1e12)
     # FSDP: bf16 all-gather before forward and again before backward, fp32 reduce-scatter after backward (every
     # micro-batch, or once per step with accumulate_unsharded_grads); ring volume (n−1)/n per GPU
     efsdp = gpus // ep
