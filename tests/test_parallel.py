@@ -87,6 +87,15 @@ def _parallelize(model: Transformer, world: int, ep: int, ac: str = "none", para
     return model
 
 
+def _save_from_rank_0_and_leave(rank: int, value, out_path: str) -> None:
+    """A worker's end: rank 0 saves `value` for the test, then every rank leaves the group together (no rank
+    tears it down while another still talks to it)."""
+    if rank == 0:
+        torch.save(value, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _worker(rank: int, world: int, ep: int, port: int, out_path: str, ac: str = "none", starve: bool = False,
             train: TrainConfig = TRAIN) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -101,10 +110,7 @@ def _worker(rank: int, world: int, ep: int, port: int, out_path: str, ac: str = 
     result = _run(_parallelize(model, world, ep, ac), _batches(), rank, world, train)
     if starve:  # the fewest rows any rank's experts were handed
         result["min_expert_rows"] = _all_reduce_min(torch.tensor(min(expert_rows)))
-    if rank == 0:
-        torch.save(result, out_path)
-    dist.barrier()  # no rank tears the group down while another still talks to it
-    dist.destroy_process_group()
+    _save_from_rank_0_and_leave(rank, result, out_path)
 
 
 @pytest.fixture(scope="module")
@@ -159,10 +165,7 @@ def _forward_state_worker(rank: int, world: int, ep: int, port: int, out_path: s
     # gathered over FSDP: an expert stack is sharded over the EP mesh alone (1-D), not over (efsdp, ep)
     experts_gathered = [b.ffn.experts.w13.device_mesh.ndim == 1 for b in moe_blocks]
     attention_gathered = [not isinstance(b.attn.wo.weight, dist.tensor.DTensor) for b in moe_blocks]
-    if rank == 0:
-        torch.save({"experts": experts_gathered, "attention": attention_gathered}, out_path)
-    dist.barrier()
-    dist.destroy_process_group()
+    _save_from_rank_0_and_leave(rank, {"experts": experts_gathered, "attention": attention_gathered}, out_path)
 
 
 def test_experts_on_a_one_rank_fsdp_mesh_stay_gathered_from_forward_to_backward(tmp_path):
@@ -213,10 +216,7 @@ def _compiled_ep_worker(rank: int, world: int, port: int, out_path: str) -> None
         out = model(local[:, :-1], local[:, 1:])
         (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
         grads[compile] = {n: _full(p.grad).float().cpu() for n, p in model.named_parameters()}
-    if rank == 0:
-        torch.save(grads, out_path)
-    dist.barrier()
-    dist.destroy_process_group()
+    _save_from_rank_0_and_leave(rank, grads, out_path)
 
 
 @pytest.mark.gpu
@@ -258,11 +258,8 @@ def _compiled_ac_worker(rank: int, world: int, ep: int, port: int, out_path: str
             out = model(batch[:, :-1], batch[:, 1:])
             (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
         results[compile] = {"loss": out.loss.detach(), "grads": {n: _full(p.grad) for n, p in model.named_parameters()}}
-    if rank == 0:
-        results["grouped_mm_compiled"] = captured.count(torch.ops.aten._grouped_mm.default)
-        torch.save(results, out_path)
-    dist.barrier()
-    dist.destroy_process_group()
+    results["grouped_mm_compiled"] = captured.count(torch.ops.aten._grouped_mm.default)
+    _save_from_rank_0_and_leave(rank, results, out_path)
 
 
 @pytest.mark.parametrize("ac,ep", [("selective", 2), ("full", 2), ("selective", 1)])
@@ -305,10 +302,7 @@ def _exchange_count_worker(rank: int, world: int, port: int, out_path: str) -> N
             out = model(local[:, :-1], local[:, 1:])
             (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
         counts[ac] = counter.count
-    if rank == 0:
-        torch.save(counts, out_path)
-    dist.barrier()
-    dist.destroy_process_group()
+    _save_from_rank_0_and_leave(rank, counts, out_path)
 
 
 def test_selective_ac_recompute_does_not_exchange_again(tmp_path):
@@ -357,10 +351,7 @@ def _accumulation_worker(rank: int, world: int, port: int, out_path: str) -> Non
         probe.remove()
         result[accumulate] = {"held": held_per_forward[1], "losses": torch.stack(losses),
                               "params": {n: _full(p.data).clone() for n, p in model.named_parameters()}}
-    if rank == 0:
-        torch.save(result, out_path)
-    dist.barrier()
-    dist.destroy_process_group()
+    _save_from_rank_0_and_leave(rank, result, out_path)
 
 
 def test_gradients_are_reduce_scattered_every_micro_batch_and_train_as_accumulating_them_does(tmp_path):
@@ -396,8 +387,7 @@ def _copies_worker(rank: int, port: int, ac: str, out_path: str) -> None:
         losses = [train_step(model, optimizer, batch, train, step)[0] for step, batch in enumerate(_batches(), 1)]
         runs[name] = {"losses": torch.stack(losses), "grads": first_grads,
                       "param_dtypes": {p.dtype for p in model.parameters()}}
-    torch.save(runs, out_path)
-    dist.destroy_process_group()
+    _save_from_rank_0_and_leave(rank, runs, out_path)
 
 
 def _grads_of_first_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
