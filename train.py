@@ -79,7 +79,7 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torc
         grad_norm = parallel.grad_norm(optimizer.grads())
         optimizer.step(grad_scale=parallel.clip_scale(grad_norm, t.grad_clip))
     else:
-        grad_norm = parallel.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], t.grad_clip)
+        grad_norm = parallel.clip_grad_norm_(list(model.parameters()), t.grad_clip)
         optimizer.step()
     if t.precision == "fp8" and t.fp8_recipe == "tensorwise" and isinstance(model, FSDPModule):
         # fp8 all-gather reuses scales computed now
