@@ -144,7 +144,8 @@ def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
     torch.manual_seed(t.seed)
     with torch.device("meta" if device.type == "cuda" else device):
         model = Transformer(mcfg)
-    quant.apply(model, t.precision, t.expert_precision, t.fp8_recipe, t.precision_skip, fsdp=world > 1)
+    quant.apply(model, t.precision, t.expert_precision, t.fp8_recipe, t.precision_skip, fsdp=world > 1,
+                fp8_min_features=t.fp8_min_features)
     if world > 1:
         meshes = parallel.build_meshes(device.type, world, cfg.parallel.ep)
         if cfg.parallel.ep > 1:

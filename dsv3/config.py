@@ -151,8 +151,9 @@ class TrainConfig:
     precision: str = "bf16"  # bf16 | fp8 | mxfp8 | mxfp8-emulated
     expert_precision: str = "bf16"  # bf16 | low (the `precision` path for the routed experts)
     optimizer_state_dtype: str = "fp32"  # fp32 | bf16: AdamW's moments (the paper keeps them in bf16, §3.3)
-    fp8_recipe: str = "rowwise"  # rowwise | rowwise_with_gw_hp | tensorwise | blockwise: see dsv3/quant.py
+    fp8_recipe: str = "tensorwise"  # tensorwise | rowwise | rowwise_with_gw_hp | blockwise: see dsv3/quant.py
     precision_skip: list[str] = field(default_factory=list)  # dense linears whose name contains one stay bf16
+    fp8_min_features: int = 1536  # fp8 converts a dense linear only if min(in, out) features reach this (≥ 0)
     compile: bool = False  # torch.compile each block
     activation_checkpoint: str = "none"  # none | full | selective
     loss_spike_factor: float = 3.0  # stop when the loss exceeds this × its running mean (0: off)
@@ -323,6 +324,7 @@ def validate(cfg: Config) -> None:
                                ("train.batch_ramp_start", t.batch_ramp_start, 0),
                                ("train.weight_decay", t.weight_decay, 0), ("train.balance_alpha", t.balance_alpha, 0),
                                ("train.bias_update_speed", t.bias_update_speed, 0),
+                               ("train.fp8_min_features", t.fp8_min_features, 0),
                                ("train.mtp_lambda", t.mtp_lambda, 0), ("train.mtp_lambda_final", t.mtp_lambda_final, 0),
                                ("log.every", cfg.log.every, 1), ("log.expert_load_every", cfg.log.expert_load_every, 0),
                                ("checkpoint.every", cfg.checkpoint.every, 0),

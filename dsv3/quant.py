@@ -13,8 +13,8 @@ each call in one function named for what it does, and imported only here, only w
                     blockwise           DeepSeek-V3's recipe (§3.3.2): 1×128 activation tiles, 128×128 weight
                                         blocks (torchao.prototype.blockwise_fp8_training, Hopper + Triton;
                                         features and the tokens of a micro-batch in multiples of 128).
-                  Decided by shape: only linears with min(in_features, out_features) ≥ FP8_MIN_FEATURES are
-                  converted. Quantizing moves bytes in proportion to T·(in + out), the GEMM saves time in
+                  Decided by shape: only linears with min(in_features, out_features) ≥ `train.fp8_min_features`
+                  are converted. Quantizing moves bytes in proportion to T·(in + out), the GEMM saves time in
                   proportion to T·in·out, so below that width the quantization costs more than FP8 saves.
   mxfp8           torchao `MXFP8Linear`: e4m3 elements in blocks of 32 sharing a power-of-two scale. SM100 only.
   mxfp8-emulated  the same numerics, quantized and dequantized around bf16 GEMMs: any device, no speed-up.
@@ -52,9 +52,7 @@ FEATURE_MULTIPLE = {"fp8": 16, "mxfp8": 32, "mxfp8-emulated": 32}
 # fp8 blockwise: the side of DeepSeek-V3's 1×128 activation tiles and 128×128 weight blocks; features and tokens
 # must divide by it.
 BLOCK = 128
-# fp8 converts a dense linear only if min(in_features, out_features) reaches this: below it, the memory-bound
-# quantization of x, W and grad_out costs more than the FP8 GEMMs save (scripts/bench_fp8.py times each shape).
-FP8_MIN_FEATURES = 2048
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 # fp8 blockwise: torchao's Triton GEMMs (True) or cuBLAS's blockwise-scaled _scaled_mm (False, CUDA 12.9+ builds).
 BLOCKWISE_TRITON_GEMMS = False
 
@@ -133,12 +131,12 @@ def check_precision(precision: str, expert_precision: str, device: torch.device,
 
 
 def convertible_linears(model: nn.Module, precision: str, fp8_recipe: str = "rowwise",
-                        min_features: int | None = None) -> list[str]:
+                        fp8_min_features: int = 0) -> list[str]:
     """The dense linears `precision` may convert: every nn.Linear outside the output head and the MTP modules
     whose features divide by what its kernels need and, for fp8, whose min(in, out) features reach
-    `min_features` (None: FP8_MIN_FEATURES)."""
-    if min_features is None:
-        min_features = FP8_MIN_FEATURES if precision == "fp8" else 0
+    `fp8_min_features`: below it, the memory-bound quantization of x, W and grad_out costs more than the FP8 GEMMs
+    save (scripts/bench_fp8.py times each shape)."""
+    min_features = fp8_min_features if precision == "fp8" else 0
     multiple = _multiple(precision, fp8_recipe)
     return [name for name, m in model.named_modules()
             if isinstance(m, nn.Linear) and name != "head" and not name.startswith("mtp.")
@@ -147,11 +145,11 @@ def convertible_linears(model: nn.Module, precision: str, fp8_recipe: str = "row
 
 
 def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_recipe: str = "rowwise",
-          skip: Sequence[str] = (), fsdp: bool = True) -> list[str]:
+          skip: Sequence[str] = (), fsdp: bool = True, fp8_min_features: int = 0) -> list[str]:
     """Convert `model` in place for `precision`; returns the names of the dense linears converted.
 
-    Dense: the `convertible_linears` whose name contains none of `skip` (e.g. "attn", "shared_experts"); others
-    stay bf16. Modules are swapped, their weight Parameters kept, so parameter names (FSDP, checkpoints) do not
+    Dense: the `convertible_linears` (for fp8, at least `fp8_min_features` wide) whose name contains none of `skip`
+    (e.g. "attn", "shared_experts"); others stay bf16. Modules are swapped, their weight Parameters kept, so parameter names (FSDP, checkpoints) do not
     change. `fsdp`: whether FSDP2 will shard the model; only then do tensorwise weights carry the fp8 all-gather.
     Experts (`expert_precision=low`): each `GroupedExperts.grouped_mm` becomes the low-precision one and each
     dispatcher pads groups to GROUP_ALIGN rows. Works on a meta-device model.
@@ -159,7 +157,7 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
     _check_modes(precision, expert_precision, fp8_recipe)
     if precision == "bf16":
         return []
-    eligible = convertible_linears(model, precision, fp8_recipe)
+    eligible = convertible_linears(model, precision, fp8_recipe, fp8_min_features)
     for fragment in skip:
         if not any(fragment in name for name in eligible):
             raise UserError(f"train.precision_skip: {fragment!r} names none of the linears that {precision} "
@@ -235,13 +233,59 @@ def to_mxfp8_linear(linear: nn.Linear, emulated: bool) -> nn.Linear:
     return mx
 
 
-def fp8_rowwise_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Routed-expert GEMM with e4m3 rowwise scales (torchao, CUDA + Triton); groups must be multiples of 16 rows,
-    which the dispatcher guarantees, so torchao's own padding (unsupported in 0.18) stays off."""
-    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+def to_fp8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] → (e4m3 [M, K], scales [M] fp32) with x ≈ e4m3 / scale row by row; each scale is the power of two at
+    or below 448 / amax(row), as torchao's. Plain torch ops, so that inside a compiled block inductor fuses the
+    row reduction and the cast into one kernel, and into the op that made x (SwiGLU, silu's backward)."""
+    amax = x.abs().amax(dim=-1).float().clamp(min=1e-12)
+    scales = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
+    data = (x.float() * scales[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return data, scales
 
-    return _to_fp8_rowwise_then_scaled_grouped_mm(x, w, offsets, out_dtype=x.dtype,
-                                                  pad_token_groups_for_grouped_mm=False)
+
+def fp8_rowwise_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Routed-expert GEMM with e4m3 rowwise scales; groups must be multiples of 16 rows (the dispatcher pads them)."""
+    return _Fp8RowwiseGroupedMM.apply(x, w, offsets)
+
+
+class _Fp8RowwiseGroupedMM(torch.autograd.Function):
+    """out = x·w per group, its three GEMMs in e4m3 (torch._scaled_grouped_mm, fp32 accumulation) with torchao's
+    Triton kernels for the weights' scales and the weight gradient's per-group scales along the tokens. The token
+    rows' own scales (x and grad_out along the features) are `to_fp8_rowwise`, not torchao's kernel for them: an
+    opaque custom op, far from the memory bandwidth at these shapes (README, "Precision")."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        # x [N, K] row-major; w [E, K, M], each expert's matrix column-major (a transposed view of [E, M, K])
+        from torchao.prototype.moe_training.kernels import triton_fp8_colwise_3d_scale_and_cast
+
+        x_fp8, x_scales = to_fp8_rowwise(x)
+        w_fp8, w_scales = triton_fp8_colwise_3d_scale_and_cast(w, output_dtype=torch.float8_e4m3fn,
+                                                               round_scales_to_power_of_2=True)  # along K
+        ctx.save_for_backward(x, w, offsets)
+        return torch._scaled_grouped_mm(x_fp8, w_fp8, x_scales.reciprocal(), w_scales.squeeze(1).reciprocal(),
+                                        offsets, out_dtype=x.dtype, use_fast_accum=True)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        from torchao.prototype.moe_training.kernels import (triton_fp8_per_group_colwise_scales_dual,
+                                                            triton_fp8_rowwise_3d_transpose_rhs)
+
+        x, w, offsets = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        # grad_x [N, K] = grad_out [N, M] · wᵀ: grad_out along M, w along M (transposed to column-major)
+        g_fp8, g_scales = to_fp8_rowwise(grad_out)
+        wt_fp8, wt_scales = triton_fp8_rowwise_3d_transpose_rhs(w, output_dtype=torch.float8_e4m3fn,
+                                                                round_scales_to_power_of_2=True)
+        grad_x = torch._scaled_grouped_mm(g_fp8, wt_fp8, g_scales.reciprocal(), wt_scales.squeeze(1).reciprocal(),
+                                          offsets, out_dtype=grad_out.dtype, use_fast_accum=True)
+        # grad_w [E, M, K] = grad_outᵀ · x per group: both along the tokens, within each expert's group
+        g_cols, g_col_scales, x_cols, x_col_scales = triton_fp8_per_group_colwise_scales_dual(
+            grad_out, x, offsets, torch.float8_e4m3fn, round_scales_to_power_of_2=True)
+        grad_w = torch._scaled_grouped_mm(g_cols.t(), x_cols, g_col_scales.t().reciprocal(),
+                                          x_col_scales.reciprocal(), offsets, out_dtype=grad_out.dtype,
+                                          use_fast_accum=True)
+        return grad_x, grad_w.transpose(-2, -1), None
 
 
 def mxfp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, emulated: bool) -> torch.Tensor:

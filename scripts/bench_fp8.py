@@ -2,7 +2,7 @@
 [--recipes bf16,rowwise,...] [--iters 20] [--bandwidth TB/s] [--json PATH] [--section.key=value ...]`.
 
 For each distinct (in_features, out_features) of the dense linears dsv3.quant may convert at this config (at any
-width: this table is what FP8_MIN_FEATURES is set from), one linear's forward + backward over the tokens of a
+width: this table is what train.fp8_min_features is set from), one linear's forward + backward over the tokens of a
 micro-batch, compiled, between two elementwise ops as in the model (a norm or SwiGLU makes its input, another op
 takes its output), so that inductor can fuse the activation and gradient quantization into them: bf16 beside each
 fp8 recipe. torch.profiler splits the time into GEMM kernels and the rest; "quant" is the rest less bf16's rest
@@ -142,12 +142,12 @@ def main() -> None:
     with torch.device("meta"):
         model = Transformer(mcfg)
     shapes = Counter((m.in_features, m.out_features) for m in
-                     map(model.get_submodule, quant.convertible_linears(model, "fp8", "rowwise", min_features=0)))
+                     map(model.get_submodule, quant.convertible_linears(model, "fp8", "rowwise")))
     result = {"config": args.config, "overrides": overrides, "device": device_name, "torch": torch.__version__,
-              "tokens": tokens, "bandwidth_tb_s": bandwidth, "fp8_min_features": quant.FP8_MIN_FEATURES,
+              "tokens": tokens, "bandwidth_tb_s": bandwidth, "fp8_min_features": cfg.train.fp8_min_features,
               "dense": [], "experts": {}}
     print(f"{device_name} | {args.config} {' '.join(overrides)} | {tokens} tokens per micro-batch | floor at "
-          f"{bandwidth} TB/s | FP8_MIN_FEATURES {quant.FP8_MIN_FEATURES}", flush=True)
+          f"{bandwidth} TB/s | train.fp8_min_features {cfg.train.fp8_min_features}", flush=True)
     header = f"{'in→out':>13} {'×n':>3} {'recipe':<19} {'ms':>7} {'vs bf16':>7} {'gemm':>7} {'quant':>7} " \
              f"{'floor GB':>8} {'floor ms':>8}"
     for recipe in (r for r in recipes if r != "bf16"):
@@ -158,7 +158,7 @@ def main() -> None:
     started = time.perf_counter()
     for (in_features, out_features), count in sorted(shapes.items()):
         row = {"in": in_features, "out": out_features, "count": count,
-               "converted_by_default": min(in_features, out_features) >= quant.FP8_MIN_FEATURES, "recipes": {}}
+               "converted_by_default": min(in_features, out_features) >= cfg.train.fp8_min_features, "recipes": {}}
         h = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for recipe in recipes:
             if recipe.startswith("blockwise") and (in_features % quant.BLOCK or out_features % quant.BLOCK):

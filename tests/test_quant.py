@@ -37,12 +37,6 @@ def converted_class(precision: str) -> type:
     return MXFP8Linear
 
 
-@pytest.fixture
-def every_width(monkeypatch):
-    """fp8 converts the debug model's narrow linears too (FP8_MIN_FEATURES is a speed rule, not a numerics one)."""
-    monkeypatch.setattr(quant, "FP8_MIN_FEATURES", 0)
-
-
 def moe_layer(align: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> MoE:
     """A debug-sized MoE with weights large enough that every expert's output matters."""
     torch.manual_seed(seed)
@@ -58,7 +52,7 @@ def moe_layer(align: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> 
 
 
 @pytest.mark.parametrize("precision,expert_precision", [("fp8", "low"), ("mxfp8", "low"), ("mxfp8-emulated", "bf16")])
-def test_only_trunk_linears_are_converted_and_names_are_unchanged(precision, expert_precision, every_width):
+def test_only_trunk_linears_are_converted_and_names_are_unchanged(precision, expert_precision):
     model = Transformer(CFG)
     keys = list(model.state_dict())
     params = dict(model.named_parameters())
@@ -111,7 +105,7 @@ def test_bf16_changes_nothing():
 
 @pytest.mark.parametrize("precision,recipe", [("mxfp8-emulated", "rowwise"), ("fp8", "tensorwise"),
                                               ("fp8", "rowwise_with_gw_hp")])
-def test_conversion_on_the_meta_device_then_materialise(precision, recipe, every_width):
+def test_conversion_on_the_meta_device_then_materialise(precision, recipe):
     """train.py converts the meta-device model (CUDA), then runs to_empty + init_weights."""
     with torch.device("meta"):
         model = Transformer(CFG)
@@ -138,9 +132,9 @@ def test_fp8_converts_only_linears_at_least_fp8_min_features_wide():
     model = model_671b_cut()
     trunk = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "head"}
 
-    converted = set(quant.apply(model, "fp8", "bf16", "rowwise"))
+    converted = set(quant.apply(model, "fp8", "bf16", "rowwise", fp8_min_features=2048))
 
-    wide = {n for n, m in trunk.items() if min(m.in_features, m.out_features) >= quant.FP8_MIN_FEATURES}
+    wide = {n for n, m in trunk.items() if min(m.in_features, m.out_features) >= 2048}
     assert converted == wide
     # at the 671B's widths: the dense FFN, the shared experts and wo are converted; MLA's low-rank projections
     # (q_lora_rank 1536, kv_lora_rank 512) are not
@@ -158,8 +152,8 @@ def test_the_shape_rule_is_fp8_only():
 
 def test_blockwise_takes_only_linears_in_whole_128_blocks():
     model = model_671b_cut()
-    rowwise = set(quant.convertible_linears(model, "fp8", "rowwise", min_features=0))
-    blockwise = set(quant.convertible_linears(model, "fp8", "blockwise", min_features=0))
+    rowwise = set(quant.convertible_linears(model, "fp8", "rowwise", fp8_min_features=0))
+    blockwise = set(quant.convertible_linears(model, "fp8", "blockwise", fp8_min_features=0))
     # wkv_a: 7168 → kv_lora_rank + qk_rope_head_dim = 576, not a multiple of 128
     assert rowwise - blockwise == {f"layers.{i}.attn.wkv_a" for i in range(3)}
     for name in blockwise:
@@ -167,7 +161,7 @@ def test_blockwise_takes_only_linears_in_whole_128_blocks():
         assert m.in_features % 128 == 0 and m.out_features % 128 == 0
 
 
-def test_fp8_recipes_configure_torchao_and_keep_the_weight_parameters(every_width):
+def test_fp8_recipes_configure_torchao_and_keep_the_weight_parameters():
     from torchao.float8.config import ScalingType
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
@@ -200,7 +194,7 @@ def test_fp8_recipes_configure_torchao_and_keep_the_weight_parameters(every_widt
 @pytest.mark.parametrize("precision,expert_precision,recipe", [
     ("mxfp8-emulated", "bf16", "rowwise"), ("mxfp8-emulated", "low", "rowwise"),
     ("fp8", "bf16", "rowwise"), ("fp8", "bf16", "tensorwise"), ("fp8", "bf16", "rowwise_with_gw_hp")])
-def test_low_precision_model_stays_close_to_bf16(precision, expert_precision, recipe, every_width):
+def test_low_precision_model_stays_close_to_bf16(precision, expert_precision, recipe):
     torch.manual_seed(0)
     reference = Transformer(CFG).to(torch.bfloat16)  # MXFP8 emulation quantizes from bf16
     model = copy.deepcopy(reference)
@@ -234,6 +228,23 @@ def test_mxfp8_emulated_experts_follow_the_bf16_experts():
     assert 0 < ((y - y_ref).norm() / y_ref.norm()).item() < 0.1  # measured 0.065: two e4m3 GEMMs
     # fp32 operands (CPU training keeps fp32 weights) are quantized from bf16 and come back in fp32
     assert low.float()(x.float(), counts).dtype == torch.float32
+
+
+def test_rowwise_fp8_scales_each_row_by_a_power_of_two_that_fills_e4m3():
+    torch.manual_seed(0)
+    x = torch.randn(64, 96, dtype=torch.bfloat16) * torch.logspace(-6, 6, 64)[:, None].bfloat16()
+    x[3] = 0  # an all-zero row stays zero, with a finite scale
+    data, scales = quant.to_fp8_rowwise(x)
+    assert data.dtype == torch.float8_e4m3fn and data.shape == x.shape and scales.shape == (64,)
+    assert torch.isfinite(scales).all() and (scales.log2() == scales.log2().round()).all()
+    amax = data.float().abs().amax(dim=-1)
+    nonzero = amax > 0
+    # the largest element of each row lands in [224, 448]: the top binade of e4m3, never past it
+    assert ((amax[nonzero] >= 224) & (amax[nonzero] <= 448)).all() and nonzero.sum() == 63
+    dequantized = data.float() / scales[:, None]
+    # e4m3 keeps 3 mantissa bits: each element within half an ulp (2^-4 relative) of the row's scale, or subnormal
+    error = (dequantized - x.float()).abs()
+    assert (error <= x.float().abs() * 2 ** -4 + 2 ** -10 / scales[:, None]).all()
 
 
 # ------------------------------------------------------------------------------- padded expert groups
@@ -451,8 +462,9 @@ def _train(tmp_path, *overrides: str) -> list[dict]:
     data = tmp_path / "data"
     prepare([str(docs)], str(ROOT / "data" / "tokenizer.model"), str(data), progress=False)
     run = tmp_path / "run"
-    train.main(["--train.steps=20", "--train.global_batch=8", "--train.micro_batch=4", "--train.seq_len=64",
-                "--train.warmup_steps=2", "--train.lr=1e-3", "--train.val_every=0", "--log.every=5",
+    # fp8_min_features=0: the debug model's narrow linears are converted too (a speed rule, not a numerics one)
+    train.main(["--train.fp8_min_features=0", "--train.steps=20", "--train.global_batch=8", "--train.micro_batch=4",
+                "--train.seq_len=64", "--train.warmup_steps=2", "--train.lr=1e-3", "--train.val_every=0", "--log.every=5",
                 f"--data.path={data}", f"--checkpoint.dir={run}", "--checkpoint.export=false", *overrides])
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -466,7 +478,7 @@ def _train(tmp_path, *overrides: str) -> list[dict]:
     ("--train.precision=fp8", "--train.expert_precision=low"),
     ("--train.precision=mxfp8-emulated", "--train.expert_precision=low"),
 ])
-def test_low_precision_trains_on_cuda(tmp_path, overrides, every_width):
+def test_low_precision_trains_on_cuda(tmp_path, overrides):
     if torch.cuda.get_device_capability() < (8, 9) and "--train.precision=fp8" in overrides:
         pytest.skip("fp8 needs compute capability >= 8.9")
     if torch.cuda.get_device_capability()[0] != 9 and "--train.fp8_recipe=blockwise" in overrides:
@@ -500,6 +512,32 @@ def test_fp8_rowwise_experts_follow_the_bf16_experts_on_cuda():
 
 
 @pytest.mark.gpu
+def test_fp8_rowwise_grouped_mm_matches_torchaos_compiled_or_not():
+    """Same scales as torchao's _to_fp8_rowwise_then_scaled_grouped_mm, so the same GEMMs: output and both gradients
+    agree, eager and compiled (where inductor fuses the row quantization)."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability >= 8.9")
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    torch.manual_seed(0)
+    w = (torch.randn(4, 2 * CFG.moe_inter_dim, CFG.dim, device="cuda") * 0.05).bfloat16().requires_grad_()
+    x = torch.randn(160, CFG.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    offsets = torch.tensor([32, 32, 112, 160], device="cuda", dtype=torch.int32)  # an empty group included
+    grad = torch.randn(160, 2 * CFG.moe_inter_dim, device="cuda", dtype=torch.bfloat16)
+
+    def run(gemm):
+        x.grad = w.grad = None
+        y = gemm(x, w.transpose(-2, -1), offsets)
+        y.backward(grad)
+        return y.float(), x.grad.float(), w.grad.float()
+
+    reference = run(lambda *a: _to_fp8_rowwise_then_scaled_grouped_mm(*a, pad_token_groups_for_grouped_mm=False))
+    for gemm in (quant.fp8_rowwise_grouped_mm, torch.compile(quant.fp8_rowwise_grouped_mm)):
+        for ours, theirs in zip(run(gemm), reference):
+            assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-3
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("triton_gemms", [False, True])
 def test_fp8_blockwise_linear_follows_bf16_on_hopper(triton_gemms):
     if torch.cuda.get_device_capability()[0] != 9:
@@ -522,7 +560,7 @@ def test_fp8_blockwise_linear_follows_bf16_on_hopper(triton_gemms):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
-def test_fp8_linears_never_wait_for_the_gpu(recipe, every_width):
+def test_fp8_linears_never_wait_for_the_gpu(recipe):
     """No .item(), .tolist() or data-dependent branch in torchao's scaling: the host never waits for a step."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability >= 8.9")
