@@ -5,20 +5,16 @@ each call in one function named for what it does, and imported only here, only w
 `train.precision` picks the format of the dense linears:
   bf16            nothing changes.
   fp8             e4m3, compute capability ≥ 8.9, with the scales of `train.fp8_recipe`:
-                    rowwise             torchao.float8 `Float8Linear`, one scale per row of each GEMM operand.
-                    rowwise_with_gw_hp  the same forward and input-gradient GEMMs; the weight-gradient GEMM stays
-                                        bf16, which drops the two quantizations along the token axis.
-                    tensorwise          one scale per tensor; under FSDP2 the weights are all-gathered in fp8:
-                                        call `precompute_fp8_scales(model)` after every optimizer step.
-                    blockwise           DeepSeek-V3's recipe (§3.3.2): 1×128 activation tiles, 128×128 weight
-                                        blocks (torchao.prototype.blockwise_fp8_training, Hopper + Triton;
-                                        features and the tokens of a micro-batch in multiples of 128).
+                    tensorwise  torchao.float8 `Float8Linear`, one scale per tensor; under FSDP2 the weights are
+                                all-gathered in fp8: call `precompute_fp8_scales(model)` after every optimizer step.
+                    rowwise     one scale per row of each GEMM operand: more accurate, slower to quantize.
+                  (DeepSeek-V3's own 1×128 / 128×128 blockwise recipe did not pay on Hopper: README, "Precision".)
                   Decided by shape: only linears with min(in_features, out_features) ≥ `train.fp8_min_features`
                   are converted. Quantizing moves bytes in proportion to T·(in + out), the GEMM saves time in
                   proportion to T·in·out, so below that width the quantization costs more than FP8 saves.
   mxfp8           torchao `MXFP8Linear`: e4m3 elements in blocks of 32 sharing a power-of-two scale. SM100 only.
   mxfp8-emulated  the same numerics, quantized and dequantized around bf16 GEMMs: any device, no speed-up.
-`train.expert_precision=low` runs the routed experts' grouped GEMMs in that format too (fp8, any recipe: rowwise
+`train.expert_precision=low` runs the routed experts' grouped GEMMs in that format too (fp8, either recipe: rowwise
 scales), with every expert's token group padded by the dispatcher to the rows the kernel needs (`GROUP_ALIGN`).
 
 Never quantized: the embedding, the router gate, the norms and the output head (DeepSeek-V3 §3.3.1). The MTP
@@ -41,7 +37,7 @@ from dsv3.moe import MoE
 
 PRECISIONS = ("bf16", "fp8", "mxfp8", "mxfp8-emulated")
 EXPERT_PRECISIONS = ("bf16", "low")
-FP8_RECIPES = ("rowwise", "rowwise_with_gw_hp", "tensorwise", "blockwise")
+FP8_RECIPES = ("tensorwise", "rowwise")
 # Rows per token group the low-precision grouped GEMMs need: fp8 rowwise `_scaled_grouped_mm` takes groups in
 # multiples of 16; MXFP8 quantizes the weight gradient's token dimension in blocks of 32 (emulated too, so that
 # its blocks never straddle two experts, like the real kernel's).
@@ -49,15 +45,10 @@ GROUP_ALIGN = {"fp8": 16, "mxfp8": 32, "mxfp8-emulated": 32}
 # Dense linears must have in and out features divisible by this to be converted (_scaled_mm / MX block size);
 # so must the tokens of a micro-batch, the inner dim of their weight-gradient GEMM.
 FEATURE_MULTIPLE = {"fp8": 16, "mxfp8": 32, "mxfp8-emulated": 32}
-# fp8 blockwise: the side of DeepSeek-V3's 1×128 activation tiles and 128×128 weight blocks; features and tokens
-# must divide by it.
-BLOCK = 128
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
-# fp8 blockwise: torchao's Triton GEMMs (True) or cuBLAS's blockwise-scaled _scaled_mm (False, CUDA 12.9+ builds).
-BLOCKWISE_TRITON_GEMMS = False
 
 
-def _check_modes(precision: str, expert_precision: str, fp8_recipe: str = "rowwise") -> None:
+def _check_modes(precision: str, expert_precision: str, fp8_recipe: str = "tensorwise") -> None:
     for key, value, choices in (("precision", precision, PRECISIONS),
                                 ("expert_precision", expert_precision, EXPERT_PRECISIONS),
                                 ("fp8_recipe", fp8_recipe, FP8_RECIPES)):
@@ -65,25 +56,18 @@ def _check_modes(precision: str, expert_precision: str, fp8_recipe: str = "rowwi
             raise UserError(f"unknown train.{key}={value!r}: choose one of {', '.join(choices)}")
 
 
-def _multiple(precision: str, fp8_recipe: str) -> int:
-    """What a converted linear's features and the tokens of a micro-batch must divide by."""
-    return BLOCK if precision == "fp8" and fp8_recipe == "blockwise" else FEATURE_MULTIPLE[precision]
-
-
 def check_precision(precision: str, expert_precision: str, device: torch.device, tokens: int = 0,
-                    fp8_recipe: str = "rowwise") -> None:
+                    fp8_recipe: str = "tensorwise") -> None:
     """Fail at start-up, with what to do instead, if `device` cannot run the asked-for precision, or if the
     `tokens` of a micro-batch (micro_batch × seq_len; 0: not checked) cannot fill the low-precision GEMMs."""
     _check_modes(precision, expert_precision, fp8_recipe)
     if precision == "bf16":
         return
-    blockwise = precision == "fp8" and fp8_recipe == "blockwise"
-    if tokens % _multiple(precision, fp8_recipe):
-        how = ("in 128-token tiles" if blockwise else "in blocks of 32" if precision != "fp8"
-               else "(inner dim of _scaled_mm)")
-        raise UserError(f"train.precision={precision}{' (fp8_recipe=blockwise)' if blockwise else ''} needs "
-                        f"train.micro_batch × train.seq_len ({tokens}) to be a multiple of "
-                        f"{_multiple(precision, fp8_recipe)}: the weight gradient's GEMM runs over the tokens {how}")
+    if tokens % FEATURE_MULTIPLE[precision]:
+        how = "in blocks of 32" if precision != "fp8" else "(inner dim of _scaled_mm)"
+        raise UserError(f"train.precision={precision} needs train.micro_batch × train.seq_len ({tokens}) to be a "
+                        f"multiple of {FEATURE_MULTIPLE[precision]}: the weight gradient's GEMM runs over the tokens "
+                        f"{how}")
     if precision == "mxfp8":
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         if capability is None or capability[0] != 10:
@@ -99,9 +83,6 @@ def check_precision(precision: str, expert_precision: str, device: torch.device,
         if capability < (8, 9):
             raise UserError(f"train.precision=fp8 needs compute capability >= 8.9 (Ada, Hopper, Blackwell); this "
                             f"GPU has {capability[0]}.{capability[1]}: use --train.precision=bf16 or mxfp8-emulated")
-        if blockwise and capability[0] != 9:
-            raise UserError(f"train.fp8_recipe=blockwise runs torchao's Hopper kernels (compute capability 9.x); "
-                            f"this GPU has {capability[0]}.{capability[1]}: use --train.fp8_recipe=rowwise")
     try:
         if precision == "fp8":
             import torchao.float8  # noqa: F401
@@ -110,12 +91,6 @@ def check_precision(precision: str, expert_precision: str, device: torch.device,
     except ImportError as e:
         raise ImportError(f"train.precision={precision} needs torchao 0.18 (and numpy): "
                           f"pip install torchao==0.18.0 numpy ({e})") from e
-    if blockwise:
-        try:
-            import torchao.prototype.blockwise_fp8_training.linear  # noqa: F401  (imports Triton)
-        except ImportError as e:
-            raise ImportError("train.fp8_recipe=blockwise runs torchao's Triton kernels: pip install triton, or use "
-                              f"--train.fp8_recipe=rowwise ({e})") from e
     if precision == "fp8" and expert_precision == "low":
         try:
             import triton  # noqa: F401
@@ -130,50 +105,45 @@ def check_precision(precision: str, expert_precision: str, device: torch.device,
                             "--train.expert_precision=bf16")
 
 
-def convertible_linears(model: nn.Module, precision: str, fp8_recipe: str = "rowwise",
-                        fp8_min_features: int = 0) -> list[str]:
+def convertible_linears(model: nn.Module, precision: str, fp8_min_features: int = 0) -> list[str]:
     """The dense linears `precision` may convert: every nn.Linear outside the output head and the MTP modules
     whose features divide by what its kernels need and, for fp8, whose min(in, out) features reach
     `fp8_min_features`: below it, the memory-bound quantization of x, W and grad_out costs more than the FP8 GEMMs
     save (scripts/bench_fp8.py times each shape)."""
     min_features = fp8_min_features if precision == "fp8" else 0
-    multiple = _multiple(precision, fp8_recipe)
+    multiple = FEATURE_MULTIPLE[precision]
     return [name for name, m in model.named_modules()
             if isinstance(m, nn.Linear) and name != "head" and not name.startswith("mtp.")
             and m.in_features % multiple == 0 and m.out_features % multiple == 0
             and min(m.in_features, m.out_features) >= min_features]
 
 
-def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_recipe: str = "rowwise",
+def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_recipe: str = "tensorwise",
           skip: Sequence[str] = (), fsdp: bool = True, fp8_min_features: int = 0) -> list[str]:
     """Convert `model` in place for `precision`; returns the names of the dense linears converted.
 
     Dense: the `convertible_linears` (for fp8, at least `fp8_min_features` wide) whose name contains none of `skip`
-    (e.g. "attn", "shared_experts"); others stay bf16. Modules are swapped, their weight Parameters kept, so parameter names (FSDP, checkpoints) do not
-    change. `fsdp`: whether FSDP2 will shard the model; only then do tensorwise weights carry the fp8 all-gather.
+    (e.g. "attn", "shared_experts"); others stay bf16. Modules are swapped, their weight Parameters kept, so
+    parameter names (FSDP, checkpoints) do not change. `fsdp`: whether FSDP2 will shard the model; only then do tensorwise weights carry the fp8 all-gather.
     Experts (`expert_precision=low`): each `GroupedExperts.grouped_mm` becomes the low-precision one and each
     dispatcher pads groups to GROUP_ALIGN rows. Works on a meta-device model.
     """
     _check_modes(precision, expert_precision, fp8_recipe)
     if precision == "bf16":
         return []
-    eligible = convertible_linears(model, precision, fp8_recipe, fp8_min_features)
+    eligible = convertible_linears(model, precision, fp8_min_features)
     for fragment in skip:
         if not any(fragment in name for name in eligible):
             raise UserError(f"train.precision_skip: {fragment!r} names none of the linears that {precision} "
                             f"converts, e.g. {', '.join(eligible[:4])}: fix the spelling or drop it")
     names = [name for name in eligible if not any(fragment in name for fragment in skip)]
-    if precision == "fp8" and fp8_recipe != "blockwise":
+    if precision == "fp8":
         convert_to_fp8_training(model, names, fp8_recipe, fp8_all_gather=fsdp)
     else:
         for name in names:
             parent, _, child = name.rpartition(".")
             owner = model.get_submodule(parent)
-            linear = getattr(owner, child)
-            if precision == "fp8":
-                setattr(owner, child, to_fp8_blockwise_linear(linear, BLOCKWISE_TRITON_GEMMS))
-            else:
-                setattr(owner, child, to_mxfp8_linear(linear, emulated=precision == "mxfp8-emulated"))
+            setattr(owner, child, to_mxfp8_linear(getattr(owner, child), emulated=precision == "mxfp8-emulated"))
     if expert_precision == "low":
         if precision == "fp8":
             gemm = fp8_rowwise_grouped_mm
@@ -209,16 +179,6 @@ def precompute_fp8_scales(model: nn.Module) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
-
-
-def to_fp8_blockwise_linear(linear: nn.Linear, triton_gemms: bool) -> nn.Linear:
-    """torchao's Float8BlockwiseLinear (1×128 activation tiles, 128×128 weight blocks, e4m3, bf16 output) holding
-    `linear`'s own weight Parameter; its GEMMs run in torchao's Triton kernels or in cuBLAS (`triton_gemms`)."""
-    from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
-
-    blockwise = Float8BlockwiseLinear.from_float(linear)
-    blockwise.use_triton = triton_gemms
-    return blockwise
 
 
 def to_mxfp8_linear(linear: nn.Linear, emulated: bool) -> nn.Linear:

@@ -32,7 +32,7 @@ PHASES = [
     ("loss", ("softmax", "nll_loss", "cross_entropy", "logsumexp", "chunk_loss")),
     ("expert GEMMs", ("grouped", "group_gemm", "ptrarray", "groupproblem")),
     ("dense GEMMs", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")),
-    # torchao's Triton scale-and-cast kernels (triton_fp8_blockwise_*, _triton_fp8_rowwise_*, ...), eager casts to
+    # torchao's Triton scale-and-cast kernels (_triton_fp8_rowwise_*, _triton_fp8_per_group_*, ...), eager casts to
     # e4m3 (FSDP's fp8 all-gather), inductor's fusions of the scales: rowwise amax → exp2(floor(log2)), tensorwise
     # max(abs)
     ("fp8 quantize", ("fp8", "e4m3", "amax", "abs_max", "exp2_floor_log2")),

@@ -34,23 +34,16 @@ from dsv3.model import Transformer  # noqa: E402
 from dsv3.moe import GroupedExperts  # noqa: E402
 from scripts.bench import phase_of  # noqa: E402  (the training benchmark's kernel → phase names)
 
-# blockwise_triton: the blockwise recipe with torchao's Triton GEMMs instead of cuBLAS's (quant.BLOCKWISE_TRITON_GEMMS)
-RECIPES = ("bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "blockwise_triton")
+RECIPES = ("bf16", "tensorwise", "rowwise")
 # Quantization's bandwidth floor for y = x Wᵀ, x [T, in], W [out, in], g = grad_out [T, out]: per operand
 # (fp8 copies, amax passes). A copy reads the bf16 tensor (2 B/element) and writes e4m3 (1 B): one per axis its scales
-# run along or layout a GEMM needs; a dynamic scale reads the tensor once more (2 B) per amax pass, except blockwise,
-# whose 128-wide tiles find their amax in registers.
-#   tensorwise          one scale per tensor; every operand in two layouts (forward GEMM, one backward GEMM)
-#   rowwise             x along in (y) and T (dW); W along in (y) and out (dx); g along out (dx) and T (dW)
-#   rowwise_with_gw_hp  dW stays bf16: x along in and g along out only; W rowwise (y) and tensorwise (dx)
-#   blockwise           x 1×128 along in (y) and 128×1 along T (dW); W 128×128 blocks, both layouts; g like x
+# run along or layout a GEMM needs; a dynamic scale reads the tensor once more (2 B) per amax pass.
+#   tensorwise  one scale per tensor; every operand in two layouts (forward GEMM, one backward GEMM)
+#   rowwise     x along in (y) and T (dW); W along in (y) and out (dx); g along out (dx) and T (dW)
 FLOOR = {
     "tensorwise": {"x": (2, 1), "w": (2, 1), "g": (2, 1)},
     "rowwise": {"x": (2, 2), "w": (2, 2), "g": (2, 2)},
-    "rowwise_with_gw_hp": {"x": (1, 1), "w": (2, 2), "g": (1, 1)},
-    "blockwise": {"x": (2, 0), "w": (2, 0), "g": (2, 0)},
 }
-FLOOR["blockwise_triton"] = FLOOR["blockwise"]
 GEMM_PHASES = ("dense GEMMs", "expert GEMMs")
 
 
@@ -61,8 +54,6 @@ def floor_bytes(recipe: str, tokens: int, in_features: int, out_features: int) -
 
 def fp8_linear(recipe: str, linear: nn.Linear) -> nn.Module:
     """`linear` as dsv3.quant converts it for `recipe` (without FSDP: no fp8 all-gather)."""
-    if recipe.startswith("blockwise"):
-        return quant.to_fp8_blockwise_linear(linear, triton_gemms=recipe == "blockwise_triton")
     holder = nn.Sequential(linear)
     quant.convert_to_fp8_training(holder, ["0"], recipe, fp8_all_gather=False)
     return holder[0]
@@ -142,7 +133,7 @@ def main() -> None:
     with torch.device("meta"):
         model = Transformer(mcfg)
     shapes = Counter((m.in_features, m.out_features) for m in
-                     map(model.get_submodule, quant.convertible_linears(model, "fp8", "rowwise")))
+                     map(model.get_submodule, quant.convertible_linears(model, "fp8")))
     result = {"config": args.config, "overrides": overrides, "device": device_name, "torch": torch.__version__,
               "tokens": tokens, "bandwidth_tb_s": bandwidth, "fp8_min_features": cfg.train.fp8_min_features,
               "dense": [], "experts": {}}
@@ -161,9 +152,6 @@ def main() -> None:
                "converted_by_default": min(in_features, out_features) >= cfg.train.fp8_min_features, "recipes": {}}
         h = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for recipe in recipes:
-            if recipe.startswith("blockwise") and (in_features % quant.BLOCK or out_features % quant.BLOCK):
-                continue  # quant.convertible_linears leaves it bf16 under blockwise
-
             def run(recipe: str = recipe) -> dict:
                 torch.manual_seed(0)
                 linear = nn.Linear(in_features, out_features, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -189,13 +177,9 @@ def main() -> None:
         result["dense"].append(row)
         write_json(args.json, result)
         del h
-    # the dense linears of one micro-batch, summed (×n), for the recipes that ran at every shape; a shape blockwise
-    # cannot take stays bf16, as in training
-    def measured(row: dict, recipe: str) -> dict:
-        return row["recipes"].get(recipe, row["recipes"].get("bf16", {}))
-
-    complete = [recipe for recipe in recipes if all("ms" in measured(row, recipe) for row in result["dense"])]
-    totals = {recipe: {key: sum(row["count"] * measured(row, recipe).get(key, 0.0) for row in result["dense"])
+    # the dense linears of one micro-batch, summed (×n), for the recipes that ran at every shape
+    complete = [recipe for recipe in recipes if all("ms" in row["recipes"][recipe] for row in result["dense"])]
+    totals = {recipe: {key: sum(row["count"] * row["recipes"][recipe].get(key, 0.0) for row in result["dense"])
                        for key in ("ms", "gemm_ms", "quant_ms", "floor_ms")} for recipe in complete}
     if totals:
         result["dense_total"] = totals

@@ -58,7 +58,8 @@ def test_only_trunk_linears_are_converted_and_names_are_unchanged(precision, exp
     params = dict(model.named_parameters())
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
-    converted = quant.apply(model, precision, expert_precision)
+    # one GPU; under FSDP2 tensorwise weights become fp8-all-gather subclasses (test_fp8_recipes_configure_torchao...)
+    converted = quant.apply(model, precision, expert_precision, fsdp=False)
 
     assert set(converted) == linears - MTP_AND_HEAD
     modules = dict(model.named_modules())
@@ -103,8 +104,7 @@ def test_bf16_changes_nothing():
     assert all(m.dispatcher.align == 1 for m in model.modules() if isinstance(m, MoE))
 
 
-@pytest.mark.parametrize("precision,recipe", [("mxfp8-emulated", "rowwise"), ("fp8", "tensorwise"),
-                                              ("fp8", "rowwise_with_gw_hp")])
+@pytest.mark.parametrize("precision,recipe", [("mxfp8-emulated", "rowwise"), ("fp8", "tensorwise"), ("fp8", "rowwise")])
 def test_conversion_on_the_meta_device_then_materialise(precision, recipe):
     """train.py converts the meta-device model (CUDA), then runs to_empty + init_weights."""
     with torch.device("meta"):
@@ -150,19 +150,8 @@ def test_the_shape_rule_is_fp8_only():
     assert "layers.0.attn.wkv_b" in quant.apply(model, "mxfp8-emulated", "bf16")
 
 
-def test_blockwise_takes_only_linears_in_whole_128_blocks():
-    model = model_671b_cut()
-    rowwise = set(quant.convertible_linears(model, "fp8", "rowwise", fp8_min_features=0))
-    blockwise = set(quant.convertible_linears(model, "fp8", "blockwise", fp8_min_features=0))
-    # wkv_a: 7168 → kv_lora_rank + qk_rope_head_dim = 576, not a multiple of 128
-    assert rowwise - blockwise == {f"layers.{i}.attn.wkv_a" for i in range(3)}
-    for name in blockwise:
-        m = model.get_submodule(name)
-        assert m.in_features % 128 == 0 and m.out_features % 128 == 0
-
-
 def test_fp8_recipes_configure_torchao_and_keep_the_weight_parameters():
-    from torchao.float8.config import ScalingType
+    from torchao.float8.config import ScalingGranularity
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     def convert(recipe: str, fsdp: bool = True) -> tuple[nn.Parameter, nn.Module]:
@@ -171,11 +160,9 @@ def test_fp8_recipes_configure_torchao_and_keep_the_weight_parameters():
         quant.apply(model, "fp8", "bf16", recipe, fsdp=fsdp)
         return weight, model.layers["0"].ffn.w1
 
-    weight, gw_hp = convert("rowwise_with_gw_hp")
-    assert gw_hp.weight is weight
-    # bf16 weight-gradient GEMM: neither x nor grad_out is quantized along the token axis
-    assert gw_hp.config.cast_config_input_for_grad_weight.scaling_type is ScalingType.DISABLED
-    assert gw_hp.config.cast_config_grad_output_for_grad_weight.scaling_type is ScalingType.DISABLED
+    weight, rowwise = convert("rowwise")
+    assert rowwise.weight is weight and type(rowwise.weight) is nn.Parameter  # rowwise scales are not all-gathered
+    assert rowwise.config.cast_config_input.scaling_granularity is ScalingGranularity.AXISWISE
     _, sharded = convert("tensorwise")  # FSDP2 all-gathers the weight in fp8
     assert isinstance(sharded.weight, WeightWithDynamicFloat8CastTensor)
     weight, unsharded = convert("tensorwise", fsdp=False)  # no FSDP: no all-gather, no weight subclass
@@ -193,7 +180,7 @@ def test_fp8_recipes_configure_torchao_and_keep_the_weight_parameters():
 # still refuses fp8 training on a CPU (no speed-up, and its expert GEMM needs Triton).
 @pytest.mark.parametrize("precision,expert_precision,recipe", [
     ("mxfp8-emulated", "bf16", "rowwise"), ("mxfp8-emulated", "low", "rowwise"),
-    ("fp8", "bf16", "rowwise"), ("fp8", "bf16", "tensorwise"), ("fp8", "bf16", "rowwise_with_gw_hp")])
+    ("fp8", "bf16", "rowwise"), ("fp8", "bf16", "tensorwise")])
 def test_low_precision_model_stays_close_to_bf16(precision, expert_precision, recipe):
     torch.manual_seed(0)
     reference = Transformer(CFG).to(torch.bfloat16)  # MXFP8 emulation quantizes from bf16
@@ -400,7 +387,7 @@ def test_modes_the_device_cannot_run_are_clear_errors(monkeypatch):
         quant.check_precision("fp4", "bf16", cpu)
     with pytest.raises(ValueError, match="unknown train.expert_precision='fp8'"):
         quant.check_precision("bf16", "fp8", cpu)
-    with pytest.raises(ValueError, match="unknown train.fp8_recipe='deepseek'.*rowwise_with_gw_hp.*blockwise"):
+    with pytest.raises(ValueError, match="unknown train.fp8_recipe='deepseek'.*tensorwise, rowwise"):
         quant.apply(Transformer(CFG), "fp8", "bf16", "deepseek")
     with pytest.raises(ValueError, match=r"micro_batch × train.seq_len \(252\) to be a multiple of 32"):
         quant.check_precision("mxfp8-emulated", "bf16", cpu, tokens=4 * 63)
@@ -416,26 +403,23 @@ def test_modes_the_device_cannot_run_are_clear_errors(monkeypatch):
         quant.check_precision("fp8", "bf16", gpu)
 
 
-def test_blockwise_needs_hopper_and_whole_128_token_tiles(monkeypatch):
+def test_fp8_needs_a_gpu_and_whole_16_token_blocks(monkeypatch):
     with pytest.raises(ValueError, match="fp8 needs a CUDA GPU"):
-        quant.check_precision("fp8", "bf16", torch.device("cpu"), fp8_recipe="blockwise")
+        quant.check_precision("fp8", "bf16", torch.device("cpu"))
     gpu = torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))  # B200
-    with pytest.raises(ValueError, match="blockwise runs torchao's Hopper kernels.*10.0.*fp8_recipe=rowwise"):
-        quant.check_precision("fp8", "bf16", gpu, fp8_recipe="blockwise")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    with pytest.raises(ValueError, match=r"blockwise\) needs .*\(4000\) to be a multiple of 128.*128-token tiles"):
-        quant.check_precision("fp8", "bf16", gpu, tokens=8 * 500, fp8_recipe="blockwise")
+    with pytest.raises(ValueError, match=r"fp8 needs .*\(4008\) to be a multiple of 16"):
+        quant.check_precision("fp8", "bf16", gpu, tokens=8 * 501)
     quant.check_precision("fp8", "bf16", gpu, tokens=8 * 500, fp8_recipe="rowwise")  # 16 divides 4000
 
 
-def test_blockwise_without_triton_names_the_install_command(monkeypatch):
-    for name in [m for m in sys.modules if m == "triton" or m.startswith(("triton.", "torchao.prototype.blockwise"))]:
-        monkeypatch.delitem(sys.modules, name)
+def test_fp8_experts_without_triton_name_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    with pytest.raises(ImportError, match="blockwise runs torchao's Triton kernels: pip install triton"):
-        quant.check_precision("fp8", "bf16", torch.device("cuda", 0), tokens=4096, fp8_recipe="blockwise")
+    with pytest.raises(ImportError, match="expert_precision=low with fp8 runs torchao's Triton kernels: pip install "
+                                          "triton"):
+        quant.check_precision("fp8", "low", torch.device("cuda", 0), tokens=4096)
+    quant.check_precision("fp8", "bf16", torch.device("cuda", 0), tokens=4096)  # dense fp8 needs no Triton
 
 
 def test_missing_torchao_names_the_install_command(monkeypatch):
@@ -471,18 +455,14 @@ def _train(tmp_path, *overrides: str) -> list[dict]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("overrides", [
-    ("--train.precision=fp8",),
-    ("--train.precision=fp8", "--train.fp8_recipe=tensorwise"),
-    ("--train.precision=fp8", "--train.fp8_recipe=rowwise_with_gw_hp"),
-    ("--train.precision=fp8", "--train.fp8_recipe=blockwise"),  # converts wo, the debug model's one 128×128
+    ("--train.precision=fp8",),  # tensorwise
+    ("--train.precision=fp8", "--train.fp8_recipe=rowwise"),
     ("--train.precision=fp8", "--train.expert_precision=low"),
     ("--train.precision=mxfp8-emulated", "--train.expert_precision=low"),
 ])
 def test_low_precision_trains_on_cuda(tmp_path, overrides):
     if torch.cuda.get_device_capability() < (8, 9) and "--train.precision=fp8" in overrides:
         pytest.skip("fp8 needs compute capability >= 8.9")
-    if torch.cuda.get_device_capability()[0] != 9 and "--train.fp8_recipe=blockwise" in overrides:
-        pytest.skip("fp8 blockwise runs on Hopper")
     metrics = _train(tmp_path, *overrides)  # train.main raises on the first non-finite loss
     losses = [m["loss"] for m in metrics if "loss" in m]
     assert len(losses) == 5 and all(torch.isfinite(torch.tensor(losses)))  # steps 1, 5, 10, 15, 20
@@ -538,28 +518,7 @@ def test_fp8_rowwise_grouped_mm_matches_torchaos_compiled_or_not():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("triton_gemms", [False, True])
-def test_fp8_blockwise_linear_follows_bf16_on_hopper(triton_gemms):
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("fp8 blockwise runs on Hopper")
-    torch.manual_seed(0)
-    linear = nn.Linear(512, 384, bias=False, device="cuda", dtype=torch.bfloat16)
-    reference = copy.deepcopy(linear)
-    blockwise = quant.to_fp8_blockwise_linear(linear, triton_gemms)
-    assert blockwise.weight is linear.weight
-    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    x_ref = x.detach().clone().requires_grad_()
-    y, y_ref = blockwise(x), reference(x_ref)
-    r = torch.randn_like(y)
-    (y * r).sum().backward()
-    (y_ref * r).sum().backward()
-    assert 0 < ((y - y_ref).float().norm() / y_ref.float().norm()).item() < 0.1  # one e4m3 GEMM: ~0.04
-    for g, g_ref in ((x.grad, x_ref.grad), (blockwise.weight.grad, reference.weight.grad)):
-        assert F.cosine_similarity(g.float().flatten(), g_ref.float().flatten(), dim=0).item() > 0.99
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_linears_never_wait_for_the_gpu(recipe):
     """No .item(), .tolist() or data-dependent branch in torchao's scaling: the host never waits for a step."""
     if torch.cuda.get_device_capability() < (8, 9):
