@@ -1,6 +1,6 @@
 """Training checkpoints with torch.distributed.checkpoint (sharded, reshardable: save at world 4, resume
-at 2 or 1) and the final safetensors export, written by every rank. A checkpoint is written to `step-N.tmp/` and renamed to
-`step-N/` only when complete, so a crash mid-save never touches the last good one.
+at 2 or 1) and the final safetensors export, written by every rank. A checkpoint is written to `step-N.tmp/` and
+renamed to `step-N/` only when complete, so a crash mid-save never touches the last good one.
 
 The run directory is guarded too: one run at a time holds it (`lock_run_dir`), every checkpoint carries a
 manifest of its files' sizes and checksums that resume verifies (`resume_from` falls back to an older one when a

@@ -27,13 +27,8 @@ def active_matmul_params(cfg: ModelConfig) -> int:
     (shared experts 3·d·n_shared·moe_inter, top-k routed experts K·3·d·moe_inter, router d·E).
     Output head d·vocab. Each MTP depth adds eh_proj (2d·d), one MoE block and the head once more
     (the shared head is applied again to its hidden states)."""
-    d, H = cfg.dim, cfg.n_heads
-    if cfg.q_lora_rank:
-        q = d * cfg.q_lora_rank + cfg.q_lora_rank * H * cfg.qk_head_dim
-    else:
-        q = d * H * cfg.qk_head_dim
-    attn = (q + d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-            + cfg.kv_lora_rank * H * (cfg.qk_nope_head_dim + cfg.v_head_dim) + H * cfg.v_head_dim * d)
+    d = cfg.dim
+    attn = attention_params(cfg) - cfg.q_lora_rank - cfg.kv_lora_rank  # less the q/kv latent norms' scales
     dense_mlp = 3 * d * cfg.inter_dim
     moe = 3 * d * cfg.moe_inter_dim * (cfg.n_shared_experts + cfg.n_activated_experts) + d * cfg.n_routed_experts
     head = d * cfg.vocab_size

@@ -75,14 +75,6 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 _adamw_update_cuda = torch.compile(adamw_update, dynamic=True)
 
 
-def _moments_back_to_state_dtype(optimizer: AdamW) -> None:
-    """Optimizer.load_state_dict casts every floating state to its parameter's dtype (fp32): undo it
-    (exactly, the values were bf16)."""
-    for state in optimizer.state.values():
-        for key in ("exp_avg", "exp_avg_sq"):
-            state[key] = state[key].to(optimizer.state_dtype)
-
-
 class ComputeCopies:
     """FSDP2's mixed precision for a model that is not sharded (one rank): forward and backward compute with
     `dtype` copies of the fp32 parameters, which stay the model's parameters everywhere else (optimizer state,
@@ -197,7 +189,8 @@ class AdamW(torch.optim.Optimizer):
                 key = (group["lr"], beta1, beta2, t, param.device)
                 if key not in scalars:  # tensors, not floats: a compiled update would recompile for every lr and t
                     values = [group["lr"], 1 - beta1 ** t, (1 - beta2 ** t) ** 0.5]
-                    scale = torch.ones((), device=param.device) if grad_scale is None else grad_scale.to(param.device)
+                    scale = (torch.ones((), device=param.device) if grad_scale is None
+                             else grad_scale.to(param.device))
                     seed = torch.tensor(int(t) * 0x2545F491 % 2**31, device=param.device)  # a new rounding each step
                     scalars[key] = (*torch.tensor(values, dtype=torch.float64).to(param.device).unbind(), scale, seed)
                 lr, bias_correction1, bias_correction2_sqrt, scale, seed = scalars[key]

@@ -124,7 +124,8 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
 
     Dense: the `convertible_linears` (for fp8, at least `fp8_min_features` wide) whose name contains none of `skip`
     (e.g. "attn", "shared_experts"); others stay bf16. Modules are swapped, their weight Parameters kept, so
-    parameter names (FSDP, checkpoints) do not change. `fsdp`: whether FSDP2 will shard the model; only then do tensorwise weights carry the fp8 all-gather.
+    parameter names (FSDP, checkpoints) do not change. `fsdp`: whether FSDP2 will shard the model; only then do
+    tensorwise weights carry the fp8 all-gather.
     Experts (`expert_precision=low`): each `GroupedExperts.grouped_mm` becomes the low-precision one and each
     dispatcher pads groups to GROUP_ALIGN rows. Works on a meta-device model.
     """
