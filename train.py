@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from dsv3 import checkpoint, deepep, optim, parallel, quant
 from dsv3.config import Config, TrainConfig, UserError, help_text, load_config, run_main
-from dsv3.data import PackedLoader, read_index
+from dsv3.data import MixtureLoader, PackedLoader, check_sources, data_tokenizer, describe_mixture
 from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, memory_stats, mfu,
                           parameter_counts, peak_flops, startup_banner)
 from dsv3.model import Transformer
@@ -94,20 +94,27 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torc
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, cfg: Config, rank: int, world: int, device: torch.device) -> float:
-    """Main-head loss over the first val_batches × global_batch sequences of the validation split, or as many
-    whole batches as the split holds (at least one): the same sequences on every call and at every world size,
-    so val losses of differently sharded runs compare."""
+def evaluate(model: Transformer, cfg: Config, rank: int, world: int, device: torch.device) -> dict[str, float]:
+    """Main-head loss over the first val_batches × global_batch sequences of each source's validation split, or as
+    many whole batches as the split holds (at least one): the same sequences on every call and at every world
+    size, so val losses of differently sharded runs compare. `val_loss` weighs the sources by their shares; with
+    several sources each has its own `val_loss/NAME` too."""
     t = cfg.train
     model.eval()  # the main loss only: no MTP modules, no balance loss
-    loader = PackedLoader(cfg.data.path, "val", t.seq_len, rank, world, shuffle=False)
-    n_batches = min(t.val_batches, max(1, loader.num_sequences // t.global_batch))  # more would rescore the same
-    total = torch.zeros((), device=device)
-    for _ in range(n_batches):
-        for micro in loader.next_batch(t.global_batch).to(device).split(t.micro_batch):
-            total += model(micro[:, :-1], micro[:, 1:]).loss * micro.size(0)
+    losses = {}
+    for name, path, _ in cfg.data.mixture():
+        loader = PackedLoader(path, "val", t.seq_len, rank, world, shuffle=False)
+        n_batches = min(t.val_batches, max(1, loader.num_sequences // t.global_batch))  # more would rescore the same
+        total = torch.zeros((), device=device)
+        for _ in range(n_batches):
+            for micro in loader.next_batch(t.global_batch).to(device).split(t.micro_batch):
+                total += model(micro[:, :-1], micro[:, 1:]).loss * micro.size(0)
+        losses[name] = parallel.all_reduce_sum(total).item() / (n_batches * t.global_batch)
     model.train()
-    return parallel.all_reduce_sum(total).item() / (n_batches * t.global_batch)
+    result = {"val_loss": sum(share * losses[name] for name, _, share in cfg.data.mixture())}
+    if len(losses) > 1:
+        result.update({f"val_loss/{name}": loss for name, loss in losses.items()})
+    return result
 
 
 def build_optimizer(model: Transformer, t: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -192,10 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda":  # a config that cannot fit stops here, before any weight is allocated
         memory_plan = check_fits(cfg, world, torch.cuda.get_device_name(device),
                                  torch.cuda.get_device_properties(device).total_memory)
-    data_vocab = read_index(Path(cfg.data.path) / "train")["vocab_size"]
-    if data_vocab > mcfg.vocab_size:
-        raise UserError(f"the data's tokenizer has {data_vocab} tokens but model.vocab_size is "
-                        f"{mcfg.vocab_size}: set --model.vocab_size={data_vocab} or re-tokenize the data")
+    check_sources(cfg.data.mixture(), mcfg.vocab_size, cfg.checkpoint.init_from)
     if cfg.checkpoint.init_from and not any(Path(cfg.checkpoint.init_from).glob("*.safetensors")):
         raise UserError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no *.safetensors: point it "
                         f"at an export, or convert an HF model with scripts/convert_hf.py --to-dsv3")
@@ -217,11 +221,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     n_params, _ = parameter_counts(mcfg)
     checkpoint.check_free_space(run_dir, checkpoint.estimated_bytes(n_params, t.optimizer_state_dtype))
-    loader = PackedLoader(cfg.data.path, "train", t.seq_len, rank, world, seed=t.seed)
+    loader = MixtureLoader(cfg.data.mixture(), "train", t.seq_len, rank, world, seed=t.seed)
     if t.val_every:
-        PackedLoader(cfg.data.path, "val", t.seq_len)  # fail now, not at the first validation
+        MixtureLoader(cfg.data.mixture(), "val", t.seq_len)  # fail now, not at the first validation
     if rank == 0:
-        print(startup_banner(cfg, world, device, memory_plan.summary() if memory_plan else None), flush=True)
+        print(startup_banner(cfg, world, device, memory_plan.summary() if memory_plan else None,
+                             describe_mixture(loader, sum(batch_at(s, t, world) for s in range(1, t.steps + 1)))),
+              flush=True)
 
     model = build_model(cfg, world, device)
     optimizer = build_optimizer(model, t, device)
@@ -287,6 +293,7 @@ def main(argv: list[str] | None = None) -> None:
                 metrics["mtp_loss"] = mtp_loss
             if peak:
                 metrics["mfu"] = mfu(flops, tokens_per_s, world, peak)
+            metrics.update({f"tokens_seen/{name}": n for name, n in loader.tokens_seen().items()})
             metrics.update(memory_stats())
             metrics.update(expert_load_stats(tokens_per_expert, [r.expert_bias for r in model.routers()]))
             logger.log(step, metrics)
@@ -294,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
             logger.log_expert_load(step, tokens_per_expert)
         paused = time.perf_counter()  # validation and saving are not training: keep them out of tokens/s
         if t.val_every and (step % t.val_every == 0 or step == t.steps):
-            logger.log(step, {"val_loss": evaluate(model, cfg, rank, world, device)})
+            logger.log(step, evaluate(model, cfg, rank, world, device))
         if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == t.steps):
             flush()  # never save over the last good checkpoint with a diverged model
             checkpoint.save(run_dir, step, model, optimizer, {"step": step, "data": loader.state_dict()},
@@ -304,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     for step in unconfirmed:  # the last update has no next step to judge it; its own grad norm was judged
         checkpoint.confirm(run_dir, step, cfg.checkpoint.keep)
     if cfg.checkpoint.export:
-        checkpoint.export(run_dir / "export", model, mcfg)
+        checkpoint.export(run_dir / "export", model, mcfg, data_tokenizer(cfg.data.mixture()))
     logger.close()
     checkpoint.unlock_run_dir(run_dir)
     deepep.close()  # DeepEP's buffer, if any: before the process group goes

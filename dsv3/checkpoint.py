@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 
 from dsv3.config import ModelConfig, UserError
 from dsv3.hf import save_config
+from dsv3.tokenizer import Tokenizer
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"  # {"files": {name: {"size": bytes, "crc32": int}}}, written last inside step-N.tmp
@@ -312,8 +313,15 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     train_state (`train_state` gives its keys and types)."""
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
              "train": train_state}
-    with _quiet_without_group():
-        dcp.load(state, checkpoint_id=str(path))
+    try:
+        with _quiet_without_group():
+            dcp.load(state, checkpoint_id=str(path))
+    except Exception as e:  # under a process group DCP re-raises a rank's error wrapped in its own
+        missing = re.search(r"Missing key in checkpoint state_dict: (\S+?)\.?$", str(e), re.MULTILINE)
+        if missing is None:
+            raise
+        raise UserError(f"{path} holds no {missing.group(1)}: resume with the model, optimizer and "
+                        "data.sources the run was saved with") from None
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
     _restore_rng(Path(path))
@@ -356,10 +364,10 @@ def load_weights(path: str | Path, model: nn.Module) -> None:
     set_model_state_dict(model, state)
 
 
-def export(out_dir: str | Path, model: nn.Module, cfg: ModelConfig) -> None:
+def export(out_dir: str | Path, model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer | None = None) -> None:
     """Write the model as HF-style safetensors with dsv3 names and full tensors (`model-0000i-of-0000N.safetensors`,
-    one file per block and one for the rest, + `model.safetensors.index.json`) and `config.json` (ModelConfig
-    fields), atomically: into `out_dir.tmp/`, renamed when complete.
+    one file per block and one for the rest, + `model.safetensors.index.json`), `config.json` (ModelConfig
+    fields) and the tokenizer it was trained with, atomically: into `out_dir.tmp/`, renamed when complete.
 
     No process ever holds the whole model (a 671B one is 2.7 TB in fp32): every rank writes its own shards, then
     every rank assembles its share of the files from them, one tensor at a time."""
@@ -381,6 +389,8 @@ def export(out_dir: str | Path, model: nn.Module, cfg: ModelConfig) -> None:
     if _rank() == 0:
         shutil.rmtree(tmp / "sharded")
         save_config(cfg, tmp / "config.json")
+        if tokenizer is not None:
+            tokenizer.save(tmp)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp, out_dir)
     _barrier()

@@ -12,6 +12,7 @@ import sys
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 
@@ -167,6 +168,32 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     path: str = "data/stdlib"  # directory of train/ and val/ token shards (scripts/prepare_data.py)
+    sources: list[str] = field(default_factory=list)  # a mixture instead of path: "DIR:WEIGHT" each, e.g. data/web:0.7
+
+    def mixture(self) -> list[tuple[str, str, float]]:
+        """(name, directory, share) of every source, shares summing to 1; `path` alone is a mixture of one.
+        A source's name is its directory's last component, or the whole path where two would share one."""
+        if not self.sources:
+            return [(Path(self.path).name or self.path, self.path, 1.0)]
+        pairs = []
+        for item in self.sources:
+            directory, _, weight = item.rpartition(":")
+            try:
+                share = float(weight)
+            except ValueError:
+                share = math.nan
+            if not directory or not 0 < share < math.inf:
+                raise UserError(f"data.sources entry {item!r} is not DIR:WEIGHT with a weight > 0, "
+                                "e.g. --data.sources=data/web:0.7,data/code:0.3")
+            pairs.append((directory.rstrip("/") or directory, share))
+        directories = [d for d, _ in pairs]
+        if len(set(directories)) < len(directories):
+            raise UserError(f"data.sources names a directory twice ({directories}): give each source once, "
+                            "with the sum of its weights")
+        names = [Path(d).name for d in directories]
+        total = sum(share for _, share in pairs)
+        return [(name if names.count(name) == 1 else d, d, share / total)
+                for name, (d, share) in zip(names, pairs)]
 
 
 @dataclass
@@ -251,6 +278,8 @@ def _typed(section: str, key: str, value: Any, current: Any, text: str | None = 
         raise UserError(f"{section}.{key} must be true or false, got {value!r}")
     if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if isinstance(current, list) and isinstance(value, str) and text is not None:
+        value = [item.strip() for item in value.split(",")]  # --data.sources=a:0.7,b:0.3
     if type(value) is not type(current):
         example = f""" (in TOML syntax: --{section}.{key}='["a", "b"]')""" if isinstance(current, list) else ""
         raise UserError(f"{section}.{key} must be a {type(current).__name__}{example}, got {value!r}")
@@ -353,6 +382,10 @@ def validate(cfg: Config) -> None:
     for name in ("loss_spike_factor", "grad_norm_spike_factor"):
         if getattr(t, name) and getattr(t, name) <= 1:
             raise UserError(f"train.{name} must be 0 (off) or > 1, got {getattr(t, name)}")
+    if cfg.data.sources and cfg.data.path != DataConfig.path:
+        raise UserError(f"data.path ({cfg.data.path}) and data.sources are both set: a single dataset is "
+                        f"data.path, a mixture is data.sources (e.g. --data.sources={cfg.data.path}:1,other:1)")
+    cfg.data.mixture()  # its entries parse
     if cfg.parallel.ep < 1:
         raise UserError(f"parallel.ep must be >= 1, got {cfg.parallel.ep}")
 

@@ -13,6 +13,7 @@ import sentencepiece as spm
 import torch
 
 from dsv3.config import UserError
+from dsv3.tokenizer import Tokenizer, find_tokenizer
 
 
 class Tokenizer:
@@ -49,6 +50,30 @@ def read_index(split_dir: str | Path) -> dict:
     return json.loads(index_path.read_text())
 
 
+def check_sources(mixture: list[tuple[str, str, float]], model_vocab_size: int, init_from: str = "") -> None:
+    """Refuse, before anything is built, datasets that cannot be mixed or trained on: a missing one, sources
+    tokenized differently, a vocabulary the model cannot embed, data tokenized unlike the weights it starts from."""
+    indexes = {name: read_index(Path(path) / "train") for name, path, _ in mixture}
+    fingerprints = {name: index["tokenizer_fingerprint"] for name, index in indexes.items()
+                    if "tokenizer_fingerprint" in index}  # datasets prepared before fingerprints carry none
+    if len(set(fingerprints.values())) > 1:
+        listing = ", ".join(f"{name} {fingerprint[:12]}" for name, fingerprint in fingerprints.items())
+        raise UserError(f"the data sources were prepared with different tokenizers ({listing}): prepare them "
+                        "all with the same scripts/prepare_data.py --tokenizer")
+    for name, index in indexes.items():
+        if index["vocab_size"] > model_vocab_size:
+            raise UserError(f"the data's tokenizer ({name}) has {index['vocab_size']} tokens but model.vocab_size "
+                            f"is {model_vocab_size}: set --model.vocab_size={index['vocab_size']} or re-tokenize "
+                            "the data")
+    weights_tokenizer = find_tokenizer(init_from) if init_from else None
+    if weights_tokenizer is not None:
+        for name, fingerprint in fingerprints.items():
+            if fingerprint != weights_tokenizer.fingerprint:
+                raise UserError(f"data source {name} was prepared with another tokenizer than the one "
+                                f"checkpoint.init_from={init_from} carries: re-run scripts/prepare_data.py "
+                                f"--tokenizer {init_from}")
+
+
 _FEISTEL_ROUNDS = 6
 
 
@@ -82,6 +107,12 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
+
+
+def _local_rows(global_batch: int, world_size: int) -> int:
+    if global_batch % world_size:
+        raise ValueError(f"global_batch {global_batch} is not divisible by world_size {world_size}")
+    return global_batch // world_size
 
 
 class PackedLoader:
@@ -143,22 +174,23 @@ class PackedLoader:
             first += 1
         return np.concatenate(pieces)
 
-    def next_batch(self, global_batch: int) -> torch.Tensor:
-        """Next `global_batch` sequences of the global order; this rank's rows. [global_batch // world, seq_len + 1]"""
-        if global_batch % self.world_size:
-            raise ValueError(
-                f"global_batch {global_batch} is not divisible by world_size {self.world_size}"
-            )
-        local = global_batch // self.world_size
-        first = self.sequences_consumed + self.rank * local
-        epochs, index = np.divmod(np.arange(first, first + local, dtype=np.int64), self.num_sequences)
+    def rows(self, places: np.ndarray) -> np.ndarray:
+        """The sequences at places `places` of the global order (places past the end run into later epochs).
+        [len(places), seq_len + 1]"""
+        epochs, index = np.divmod(np.asarray(places, dtype=np.int64), self.num_sequences)
         sequences = np.empty_like(index)
         for epoch in np.unique(epochs):  # a batch can straddle epochs
             in_epoch = epochs == epoch
             sequences[in_epoch] = self._order_for(int(epoch), index[in_epoch])
         rows = [self._tokens(seq * self.seq_len, seq * self.seq_len + self.seq_len + 1) for seq in sequences.tolist()]
+        return np.stack(rows).astype(np.int64) if rows else np.empty((0, self.seq_len + 1), np.int64)
+
+    def next_batch(self, global_batch: int) -> torch.Tensor:
+        """Next `global_batch` sequences of the global order; this rank's rows. [global_batch // world, seq_len + 1]"""
+        local = _local_rows(global_batch, self.world_size)
+        first = self.sequences_consumed + self.rank * local
         self.sequences_consumed += global_batch
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+        return torch.from_numpy(self.rows(np.arange(first, first + local)))
 
     def state_dict(self) -> dict:
         return {
@@ -178,3 +210,87 @@ class PackedLoader:
                 )
         self.sequences_consumed = int(state["sequences_consumed"])
         self.seed = int(state["seed"])
+
+
+# Position i of the mixed order draws the source whose share of [0, 2^64) holds i·2^64/φ mod 2^64: a Weyl
+# sequence, so every prefix of the order gives each source its share to within O(log n) sequences, and the
+# source of a position needs nothing but the position.
+_WEYL_STEP = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / φ, odd
+
+
+class MixtureLoader:
+    """Sequences from several token datasets mixed by weight, in one seeded global order.
+
+    Each source is a PackedLoader with its own position and epochs (a small source re-epochs on its own); the
+    mixture decides which source fills each place of the global order, so batches are the same at every world
+    size. A single dataset is a mixture of one and reads exactly as its PackedLoader would.
+    """
+
+    def __init__(self, sources: list[tuple[str, str, float]], split: str, seq_len: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, shuffle: bool = True):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.rank, self.world_size, self.seq_len = rank, world_size, seq_len
+        self.shares = {name: share for name, _, share in sources}
+        self.paths = {name: path for name, path, _ in sources}
+        self.loaders = {name: PackedLoader(path, split, seq_len, seed=seed + i, shuffle=shuffle)
+                        for i, (name, path, _) in enumerate(sources)}
+        # source k takes the points in [upper[k-1], upper[k]) of [0, 2^64)
+        cumulative = np.cumsum([share for _, _, share in sources])[:-1]
+        self.upper = np.array([min(int(c * 2.0**64), 2**64 - 1) for c in cumulative], dtype=np.uint64)
+        self.sequences_consumed = 0
+
+    def source_of(self, places: np.ndarray) -> np.ndarray:
+        """Index of the source that fills each place of the mixed order."""
+        with np.errstate(over="ignore"):  # the product wraps mod 2^64 on purpose
+            points = np.asarray(places, dtype=np.uint64) * _WEYL_STEP
+        return np.searchsorted(self.upper, points, side="right")
+
+    def next_batch(self, global_batch: int) -> torch.Tensor:
+        """Next `global_batch` sequences of the mixed order; this rank's rows. [global_batch // world, seq_len + 1]"""
+        local = _local_rows(global_batch, self.world_size)
+        source = self.source_of(np.arange(self.sequences_consumed, self.sequences_consumed + global_batch))
+        place_in_source = np.empty(global_batch, dtype=np.int64)  # each source's own global order
+        for k, loader in enumerate(self.loaders.values()):
+            mine = source == k
+            place_in_source[mine] = loader.sequences_consumed + np.arange(int(mine.sum()))
+            loader.sequences_consumed += int(mine.sum())
+        self.sequences_consumed += global_batch
+        rows = slice(self.rank * local, (self.rank + 1) * local)
+        batch = np.empty((local, self.seq_len + 1), dtype=np.int64)
+        for k, loader in enumerate(self.loaders.values()):
+            mine = source[rows] == k
+            batch[mine] = loader.rows(place_in_source[rows][mine])
+        return torch.from_numpy(batch)
+
+    def tokens_seen(self) -> dict[str, int]:
+        """Training tokens (targets) drawn from each source so far."""
+        return {name: loader.sequences_consumed * self.seq_len for name, loader in self.loaders.items()}
+
+    def state_dict(self) -> dict:
+        return {"sequences_consumed": self.sequences_consumed,
+                "sources": {name: loader.state_dict() for name, loader in self.loaders.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state["sources"]) != set(self.loaders):
+            raise UserError(f"the checkpoint read the sources {sorted(state['sources'])} but this run has "
+                            f"{sorted(self.loaders)}; resume with the same data.sources")
+        self.sequences_consumed = int(state["sequences_consumed"])
+        for name, loader in self.loaders.items():
+            loader.load_state_dict(state["sources"][name])
+
+
+def describe_mixture(loader: MixtureLoader, run_sequences: int) -> str:
+    """Each source's share, size and the epochs this run will take of it (`run_sequences`: the run's total)."""
+    parts = []
+    for name, source in loader.loaders.items():
+        size = source.num_sequences * source.seq_len
+        epochs = loader.shares[name] * run_sequences / source.num_sequences
+        parts.append(f"{name} {100 * loader.shares[name]:.3g}% ({loader.paths[name]}: {size / 1e6:,.4g}M tokens, "
+                     f"{epochs:.2g} epochs in this run)")
+    return "; ".join(parts)
+
+
+def data_tokenizer(mixture: list[tuple[str, str, float]]) -> Tokenizer | None:
+    """The tokenizer the data was prepared with (saved in the dataset by scripts/prepare_data.py), if any."""
+    return find_tokenizer(Path(mixture[0][1]) / "tokenizer")

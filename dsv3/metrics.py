@@ -94,9 +94,10 @@ def parameter_counts(mc: ModelConfig) -> tuple[int, int]:
     return dense + experts, dense + experts - idle
 
 
-def startup_banner(cfg: Config, world: int, device: torch.device, memory_plan: str | None) -> str:
+def startup_banner(cfg: Config, world: int, device: torch.device, memory_plan: str | None, data: str) -> str:
     """The run at a glance, printed before the model is built: what trains, how it is laid out, where it
-    reads and writes. `memory_plan`: the planner's one-line per-GPU estimate (dsv3.plan), on GPUs."""
+    reads and writes. `memory_plan`: the planner's one-line per-GPU estimate (dsv3.plan), on GPUs; `data`: the
+    sources' line (dsv3.data.describe_mixture)."""
     mc, t, p = cfg.model_config(), cfg.train, cfg.parallel
     total, activated = parameter_counts(mc)
     micro_batches = t.global_batch // (t.micro_batch * world)
@@ -116,7 +117,8 @@ def startup_banner(cfg: Config, world: int, device: torch.device, memory_plan: s
              f"activation checkpointing {t.activation_checkpoint}; compile {'on' if t.compile else 'off'}"]
     if memory_plan is not None:
         lines.append(f"memory  {memory_plan}")
-    lines.append(f"paths   data {cfg.data.path} → run dir {cfg.checkpoint.dir}")
+    lines.append(f"data    {data}")
+    lines.append(f"run dir {cfg.checkpoint.dir}")
     return "\n".join(lines)
 
 

@@ -141,12 +141,16 @@ def test_load_config_coerces_int_to_float(toml_file):
 @pytest.mark.parametrize("override,field", [("--train.steps=1.5", "train.steps"), ("--train.lr=fast", "train.lr"),
                                             ("--log.wandb=1", "log.wandb"), ("--model.dim=wide", "model.dim"),
                                             ("--model.n_layers=2.5", "model.n_layers"),
-                                            ("--train.precision_skip=attn", "train.precision_skip"),
                                             ("--train.precision_skip=[1]", "train.precision_skip"),
                                             ('--train.precision_skip=[""]', "train.precision_skip")])
 def test_override_of_the_wrong_type_is_an_error_naming_the_field(override, field):
     with pytest.raises(ValueError, match=field):
         load_config(None, [override])
+
+
+def test_a_list_field_takes_comma_separated_items_on_the_command_line():
+    assert load_config(None, ["--train.precision_skip=wo,wkv_b"]).train.precision_skip == ["wo", "wkv_b"]
+    assert load_config(None, ['--train.precision_skip=["wo"]']).train.precision_skip == ["wo"]
 
 
 def test_string_fields_take_the_override_text_as_written():

@@ -58,14 +58,15 @@ def test_parameter_counts_from_the_config_match_the_built_model(flavor, changes)
 def test_banner_says_what_trains_how_and_where():
     cfg = load_config(None, ["--flavor=671B", "--train.global_batch=64", "--train.micro_batch=2",
                              "--parallel.ep=8", "--data.path=data/web", "--checkpoint.dir=runs/big"])
-    banner = startup_banner(cfg, 16, torch.device("cuda", 0), plan(cfg, 16, "h200", 139.0).summary())
+    banner = startup_banner(cfg, 16, torch.device("cuda", 0), plan(cfg, 16, "h200", 139.0).summary(),
+                            "web 100% (data/web: 1,000M tokens, 0.5 epochs in this run)")
     assert "671B: 683B parameters, 38.2B activated per token" in banner
     assert "64 sequences × 256 tokens = 16,384 tokens/step" in banner
     assert "2 × 2 sequences per rank and step" in banner  # 64 / (2 × 16 ranks) micro-batches
     assert "world 16 on cuda, ep 8 (all_to_all); precision bf16;" in banner
     assert re.search(r"\nmemory  plan: [\d.]+ GiB per GPU of 139\.0", banner)
-    assert "data data/web → run dir runs/big" in banner
-    assert "GiB" not in startup_banner(cfg, 16, torch.device("cuda", 0), None)  # no planner estimate, no line
+    assert "\ndata    web 100% (data/web: 1,000M tokens, 0.5 epochs in this run)\nrun dir runs/big" in banner
+    assert "GiB" not in startup_banner(cfg, 16, torch.device("cuda", 0), None, "")  # no planner estimate, no line
 
 
 def test_flops_grow_with_seq_len_by_exactly_the_attention_term():

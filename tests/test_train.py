@@ -378,7 +378,8 @@ def test_short_run_prints_a_banner_then_step_1_and_no_warnings(data, tmp_path):
     assert [line for line in err.splitlines() if "Warning" in line or "warn(" in line] == []
     lines = out.splitlines()
     assert lines[0].startswith("model   debug: ") and "activated per token" in lines[0]
-    assert any(line.startswith("paths   data ") and str(tmp_path) in line for line in lines)
+    assert any(line.startswith("data    stdlib 100% (") for line in lines)
+    assert f"run dir {tmp_path}" in lines
     assert [line.split(" |")[0] for line in lines if line.startswith("step ")] == ["step 1/3", "step 3/3", "step 3/3"]
     assert (tmp_path / "export" / "model.safetensors.index.json").is_file()
 
@@ -453,7 +454,7 @@ def test_validation_scores_at_most_one_pass_over_the_split():
         losses.append(out.loss.item())
 
     model.register_forward_hook(record)
-    loss = train.evaluate(model, cfg, 0, 1, torch.device("cpu"))
+    loss = train.evaluate(model, cfg, 0, 1, torch.device("cpu"))["val_loss"]
     assert len(seen) == 2 and not torch.equal(seen[0], seen[1])
     assert loss == pytest.approx(sum(losses) / 2, rel=1e-6)
 
