@@ -1,4 +1,4 @@
-"""Tokenizer and the packed-sequence loader over token shards written by scripts/prepare_data.py.
+"""The packed-sequence loader over token shards written by scripts/prepare_data.py.
 
 On disk, `DIR/{train,val}/` holds `shard_NNNNN.bin` (raw uint16/uint32 token ids, documents separated
 by EOS) and an `index.json` naming the shards in order with their token counts. The loader sees the
@@ -9,36 +9,10 @@ import json
 from pathlib import Path
 
 import numpy as np
-import sentencepiece as spm
 import torch
 
 from dsv3.config import UserError
 from dsv3.tokenizer import Tokenizer, find_tokenizer
-
-
-class Tokenizer:
-    """A sentencepiece model; ids are plain ints, no BOS/EOS added by encode."""
-
-    def __init__(self, path: str | Path):
-        path = Path(path)
-        if not path.is_file():
-            raise UserError(
-                f"tokenizer {path} not found; train one with `python scripts/train_tokenizer.py`"
-            )
-        self.path = path
-        self.sp = spm.SentencePieceProcessor(model_file=str(path))
-        self.vocab_size: int = self.sp.get_piece_size()
-        self.eos_id: int = self.sp.eos_id()
-        self.bos_id: int = self.sp.bos_id()
-
-    def encode(self, text: str) -> list[int]:
-        return self.sp.encode(text)
-
-    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
-        return self.sp.encode(texts, num_threads=num_threads)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.sp.decode(list(ids))
 
 
 def read_index(split_dir: str | Path) -> dict:

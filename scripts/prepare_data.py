@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file without installing dsv3
 from dsv3.config import UserError, run_main  # noqa: E402
-from dsv3.data import Tokenizer  # noqa: E402
+from dsv3.tokenizer import Tokenizer  # noqa: E402
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 STDLIB_MAX_CHARS = 20_000_000

@@ -10,7 +10,8 @@ import torch
 
 import scripts.prepare_data as prepare_data
 from dsv3.config import UserError
-from dsv3.data import PackedLoader, Tokenizer, shuffled_index
+from dsv3.data import PackedLoader, shuffled_index
+from dsv3.tokenizer import Tokenizer
 from scripts.prepare_data import prepare
 
 TOKENIZER = str(Path(__file__).resolve().parents[1] / "data" / "tokenizer.model")
@@ -35,17 +36,6 @@ def prepared(tmp_path: Path, **kwargs) -> Path:
 def read_stream(split_dir: Path) -> np.ndarray:
     index = json.loads((split_dir / "index.json").read_text())
     return np.concatenate([np.fromfile(split_dir / s["file"], dtype=index["dtype"]) for s in index["shards"]])
-
-
-def test_tokenizer_round_trips_ascii_and_unicode():
-    tok = Tokenizer(TOKENIZER)
-    assert tok.vocab_size == 4096
-    assert len({tok.eos_id, tok.bos_id}) == 2
-    texts = ["def main():\n    return 42\n", "  trailing  spaces\t\ttabs\n\n", "naïve café — 数据 🚀 Ωμέγα"]
-    for text in texts:
-        ids = tok.encode(text)
-        assert tok.eos_id not in ids and tok.bos_id not in ids
-        assert tok.decode(ids) == text
 
 
 def test_txt_jsonl_parquet_give_identical_token_streams(tmp_path):
@@ -220,9 +210,7 @@ def test_uint16_shards_refuse_a_vocab_over_65535(tmp_path, monkeypatch):
     assert PackedLoader(str(tmp_path / "out"), "train", 16).next_batch(2).shape == (2, 17)
 
 
-def test_missing_tokenizer_names_the_script_that_trains_one(tmp_path):
-    with pytest.raises(UserError, match="scripts/train_tokenizer.py"):
-        Tokenizer(tmp_path / "nope.model")
+def test_prepare_with_a_missing_tokenizer_names_the_script_that_trains_one(tmp_path):
     with pytest.raises(UserError, match="scripts/train_tokenizer.py"):
         prepare([str(write_txt(tmp_path / "txt", DOCS))], str(tmp_path / "nope.model"), str(tmp_path / "out"))
 
