@@ -203,6 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.checkpoint.init_from and not any(Path(cfg.checkpoint.init_from).glob("*.safetensors")):
         raise UserError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no *.safetensors: point it "
                         f"at an export, or convert an HF model with scripts/convert_hf.py --to-dsv3")
+    if cfg.checkpoint.init_from:
+        checkpoint.check_init_from(cfg.checkpoint.init_from, mcfg)
     run_dir = Path(cfg.checkpoint.dir)
     checkpoint.lock_run_dir(run_dir, create=not cfg.checkpoint.resume)  # one run per directory, until it ends
     found = checkpoint.checkpoints(run_dir)

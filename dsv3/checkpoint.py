@@ -11,6 +11,7 @@ unconfirmed ones aside when the run diverges and rotation never deletes the newe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
@@ -37,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from dsv3.config import ModelConfig, UserError
-from dsv3.hf import save_config
+from dsv3.hf import load_config_json, model_shapes, save_config
 from dsv3.tokenizer import Tokenizer
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -344,6 +345,23 @@ def _restore_rng(path: Path) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def check_init_from(path: str | Path, cfg: ModelConfig) -> None:
+    """Refuse, before anything is built, weights whose shapes this model does not have, naming the [model]
+    overrides that would fit them (read from the config.json an export or convert_hf.py --to-dsv3 writes)."""
+    config_json = Path(path) / "config.json"
+    if not config_json.is_file():
+        return  # load_weights still checks every key
+    try:
+        saved = load_config_json(config_json)
+    except ValueError as e:
+        raise UserError(f"checkpoint.init_from: {e}") from None
+    if model_shapes(saved) != model_shapes(cfg):
+        fix = " ".join(f"--model.{f.name}={json.dumps(getattr(saved, f.name))}" for f in dataclasses.fields(cfg)
+                       if getattr(saved, f.name) != getattr(cfg, f.name))
+        raise UserError(f"checkpoint.init_from={path} holds a model of other shapes than this config's: "
+                        f"match its config.json, e.g. {fix}")
 
 
 def load_weights(path: str | Path, model: nn.Module) -> None:
