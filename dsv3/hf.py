@@ -62,6 +62,8 @@ _BLOCK_FROM_HF = {hf: ours for ours, hf in _BLOCK.items()}
 _MTP_FROM_HF = {hf: ours for ours, hf in _MTP.items()}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _PER_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+# ModelConfig's YaRN parameters, which HF's config holds only while YaRN is on
+_YARN_FIELDS = ("original_seq_len", "rope_factor", "beta_fast", "beta_slow", "mscale")
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -93,8 +95,14 @@ def config_from_hf(d: dict) -> ModelConfig:
         rope_theta=d.get("rope_theta") or rope.get("rope_theta") or 10000.0,
         n_mtp_layers=d.get("num_nextn_predict_layers") or 0, norm_eps=d.get("rms_norm_eps", 1e-6),
     )
+    kept = d.get("dsv3") or {}  # what config_to_hf kept beside HF's fields
     if rope_type == "yarn":
         cfg.update(_yarn_from_hf(rope, max_seq_len))
+    else:  # YaRN's parameters ride along unused, as long as they keep it off as HF does (no edited max length)
+        cfg.update({k: kept[k] for k in _YARN_FIELDS if k in kept})
+        cfg["original_seq_len"] = max(cfg["original_seq_len"], max_seq_len)
+    if "init_std" in kept:
+        cfg["init_std"] = kept["init_std"]
     return ModelConfig(**cfg)
 
 
@@ -169,11 +177,17 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "num_nextn_predict_layers": cfg.n_mtp_layers, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
         "attention_bias": False, "tie_word_embeddings": False,
     }
+    # The ModelConfig fields HF has no place for, so that --to-hf then --to-dsv3 gives back the same config
+    # (transformers keeps unknown keys): the init std (HF's initializer_range is its own default, not ours),
+    # and YaRN's parameters while it is off, which matter again once a run raises max_seq_len.
+    d["dsv3"] = {"init_std": cfg.init_std}
     if cfg.max_seq_len > cfg.original_seq_len:
         d["rope_scaling"] = {"type": "yarn", "factor": cfg.rope_factor,
                              "original_max_position_embeddings": cfg.original_seq_len,
                              "beta_fast": cfg.beta_fast, "beta_slow": cfg.beta_slow,
                              "mscale": cfg.mscale, "mscale_all_dim": cfg.mscale}
+    else:
+        d["dsv3"].update({k: getattr(cfg, k) for k in _YARN_FIELDS})
     return d
 
 

@@ -154,16 +154,25 @@ def test_yarn_matches_transformers():
 
 
 YARN = dataclasses.replace(TINY, max_seq_len=64, original_seq_len=16, rope_factor=4.0, mscale=0.707)
+# YaRN off (max_seq_len <= original_seq_len), its unused parameters and the init std all off their defaults
+YARN_OFF = dataclasses.replace(TINY, original_seq_len=4096, rope_factor=8.0, beta_fast=16, beta_slow=2, mscale=0.5,
+                               init_std=0.02)
 
 
-@pytest.mark.parametrize("cfg", [FLAVORS["debug"], FLAVORS["16B"], FLAVORS["671B"], TINY, YARN],
-                         ids=["debug", "16B", "671B", "tiny", "yarn"])
+@pytest.mark.parametrize("cfg", [FLAVORS["debug"], FLAVORS["16B"], FLAVORS["671B"], TINY, YARN, YARN_OFF],
+                         ids=["debug", "16B", "671B", "tiny", "yarn", "yarn-off"])
 def test_config_round_trips_through_hf_and_transformers(cfg):
-    if cfg.max_seq_len <= cfg.original_seq_len:  # YaRN off: HF has no place for an unused original length
-        cfg = dataclasses.replace(cfg, original_seq_len=cfg.max_seq_len)
     assert config_from_hf(config_to_hf(cfg)) == cfg
     hf_class = DeepseekV3Config if cfg.score_func == "sigmoid" else DeepseekV2Config
     assert config_from_hf(hf_class(**config_to_hf(cfg)).to_dict()) == cfg
+
+
+def test_yarn_stays_off_when_an_hf_config_without_rope_scaling_outgrows_the_kept_original_length():
+    """Plain RoPE in HF must stay plain RoPE here: a raised max_position_embeddings overrides the kept length."""
+    d = config_to_hf(YARN_OFF) | {"max_position_embeddings": 8192}
+    cfg = config_from_hf(d)
+    assert (cfg.max_seq_len, cfg.original_seq_len, cfg.rope_factor) == (8192, 8192, 8.0)
+    assert config_from_hf(d | {"dsv3": {}}).original_seq_len == 8192  # an HF config of someone else's
 
 
 def test_config_json_round_trip(tmp_path):
@@ -282,6 +291,16 @@ def test_convert_script_round_trips_sharded_checkpoints(tmp_path):
     assert config_from_hf(json.loads((tmp_path / "back" / "config.json").read_text())) == TINY
     convert_hf.main(["--to-hf", str(tmp_path / "dsv3"), str(tmp_path / "fused"), "--fused-experts"])
     assert_same(read_checkpoint(tmp_path / "fused"), state_dict_to_hf(ours, TINY, fused_experts=True))
+
+
+def test_convert_script_round_trip_keeps_every_config_field(tmp_path):
+    """--to-hf then --to-dsv3 of a model with YaRN off used to come back with original_seq_len = max_seq_len."""
+    (tmp_path / "dsv3").mkdir()
+    save_file(random_ours(YARN_OFF), tmp_path / "dsv3" / "model.safetensors")
+    save_config(YARN_OFF, tmp_path / "dsv3" / "config.json")
+    convert_hf.main(["--to-hf", str(tmp_path / "dsv3"), str(tmp_path / "hf")])
+    convert_hf.main(["--to-dsv3", str(tmp_path / "hf"), str(tmp_path / "back")])
+    assert load_config_json(tmp_path / "back" / "config.json") == YARN_OFF
 
 
 def test_convert_script_errors_are_clear(tmp_path):
