@@ -8,8 +8,9 @@ HF_DIR: an HF config.json + *.safetensors shards: bf16/fp32, or DeepSeek's FP8 r
 dequantized to bf16 weight by weight, each scale read from whichever shard holds it.
 DSV3_DIR: our config.json (ModelConfig fields) + *.safetensors shards with `Transformer.state_dict()` names.
 Both directions write shards of at most --max-shard-gb plus model.safetensors.index.json, and hold at most
-one output shard and the routed-expert stacks still being collected, never the whole model.
-Bad input stops before anything is written.
+one output shard and the routed-expert stacks still being collected, never the whole model. The tokenizer
+files beside the source's config.json (tokenizer.json, tokenizer_config.json, ...) are copied along, so that
+transformers loads model and tokenizer from one directory. Bad input stops before anything is written.
 --to-hf refuses a softmax-routed model with a trained expert bias or route_norm (HF's deepseek_v2 has neither)
 unless --allow-lossy. Files are written with the umask's mode (0644 under the usual 022), like config.json.
 """
@@ -18,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
 from collections.abc import Collection, Iterator
 from pathlib import Path
@@ -35,6 +37,9 @@ from dsv3.hf import (FromHF, check_dsv3_keys, check_hf_keys, check_hf_represents
                      tensor_to_hf)
 
 INDEX = "model.safetensors.index.json"
+# what transformers' AutoTokenizer (and generate's defaults) read from a checkpoint directory
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "generation_config.json")
 
 
 def find_shards(src: Path) -> list[Path]:
@@ -150,6 +155,12 @@ def open_output(out: Path) -> None:
         raise UserError(f"{out} already holds *.safetensors shards; pick an empty output directory.")
 
 
+def copy_tokenizer(src: Path, out: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)  # a new file with the umask's mode, like the shards
+
+
 def to_dsv3(src: Path, out: Path, max_bytes: int) -> None:
     hf_config = json.loads(config_path(src).read_text())
     cfg, block = config_from_hf(hf_config), fp8_block_size(hf_config)
@@ -171,6 +182,7 @@ def to_dsv3(src: Path, out: Path, max_bytes: int) -> None:
         writer.add(key, converted)
     writer.close()
     save_config(cfg, out / "config.json")
+    copy_tokenizer(src, out)
 
 
 def to_hf(src: Path, out: Path, max_bytes: int, fused_experts: bool, allow_lossy: bool = False) -> None:
@@ -186,6 +198,7 @@ def to_hf(src: Path, out: Path, max_bytes: int, fused_experts: bool, allow_lossy
             writer.add(name, converted)
     writer.close()
     (out / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+    copy_tokenizer(src, out)
 
 
 def main(argv: list[str] | None = None) -> None:

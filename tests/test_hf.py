@@ -8,15 +8,19 @@ Needs a transformers whose DeepseekV3 router masks unselected groups with -inf (
 import dataclasses
 import json
 import os
+import shutil
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config, DeepseekV2ForCausalLM,
+                          DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast)
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 import scripts.convert_hf as convert_hf
+from conftest import ROOT
 from dsv3.config import FLAVORS, ModelConfig, UserError
 from dsv3.hf import (FromHF, config_from_hf, config_to_hf, load_config_json, save_config, state_dict_from_hf,
                      state_dict_to_hf)
@@ -336,6 +340,36 @@ def test_convert_script_reads_and_writes_transformers_checkpoints(tmp_path):
         convert_hf.main(["--to-hf", str(tmp_path / "dsv3"), str(out), *flags])
         back = DeepseekV3ForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
         assert torch.equal(back(tokens).logits, reference)
+
+
+def save_tokenizer(path) -> PreTrainedTokenizerFast:
+    words = ["<unk>", "<s>", "</s>", *"the quick brown fox jumps over a lazy dog".split()]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    return fast
+
+
+def test_convert_script_carries_the_tokenizer_both_ways(tmp_path):
+    """A converted directory, and the HF one exported from it, load model and tokenizer in transformers."""
+    hf_model = DeepseekV3ForCausalLM(v3_grouped_config())
+    hf_model.generation_config.max_new_tokens = 7  # not a default: only the source's file has it
+    hf_model.save_pretrained(tmp_path / "hf")  # + generation_config.json
+    tokenizer = save_tokenizer(tmp_path / "hf")  # tokenizer.json, tokenizer_config.json
+    shutil.copyfile(ROOT / "data" / "tokenizer.model", tmp_path / "hf" / "tokenizer.model")  # a sentencepiece one
+    carried = {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json"}
+    assert carried <= {f.name for f in (tmp_path / "hf").iterdir()}
+    convert_hf.main(["--to-dsv3", str(tmp_path / "hf"), str(tmp_path / "dsv3")])
+    convert_hf.main(["--to-hf", str(tmp_path / "dsv3"), str(tmp_path / "back")])
+    for out in ("dsv3", "back"):
+        present = {f.name for f in (tmp_path / out).iterdir() if f.name in convert_hf.TOKENIZER_FILES}
+        assert present == carried  # no special_tokens_map.json where the source had none
+        for name in carried:
+            assert (tmp_path / out / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), (out, name)
+    text = "the lazy fox jumps"
+    assert AutoTokenizer.from_pretrained(tmp_path / "back")(text).input_ids == tokenizer(text).input_ids
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "back").generation_config.max_new_tokens == 7
 
 
 SOFTMAX = dataclasses.replace(TINY, score_func="softmax", route_norm=False)
