@@ -97,6 +97,11 @@ class Release:
         self.path = root / "release"
         write_release(self.path, self.tensors, self.config)
 
+    def deepseek_bf16(self) -> dict[str, torch.Tensor]:
+        """What DeepSeek's fp8_cast_bf16.py makes of the release."""
+        return {n: dequantized(t, self.tensors[f"{n}_scale_inv"], self.block) if is_quantized(n) else t
+                for n, t in self.tensors.items() if not n.endswith("_scale_inv")}
+
 
 @pytest.fixture(scope="module", params=[[128, 128], [64, 96]], ids=["128x128", "64x96"])
 def release(request, tmp_path_factory) -> Release:
@@ -120,9 +125,7 @@ def test_fp8_release_converts_to_deepseeks_bf16_dequantization_exactly(release, 
     assert not [k for k in converted if "scale" in k]
     Transformer(cfg).load_state_dict(converted, strict=True)
     # every FP8 weight is DeepSeek's formula to the bit; every other tensor is passed through in its dtype
-    expected = {n: dequantized(t, release.tensors[f"{n}_scale_inv"], release.block) if is_quantized(n) else t
-                for n, t in release.tensors.items() if not n.endswith("_scale_inv")}
-    expected = state_dict_from_hf(expected, cfg)
+    expected = state_dict_from_hf(release.deepseek_bf16(), cfg)
     assert converted.keys() == expected.keys()
     for k in expected:
         assert converted[k].dtype == expected[k].dtype and torch.equal(converted[k], expected[k]), k
@@ -135,6 +138,15 @@ def test_fp8_release_converts_to_deepseeks_bf16_dequantization_exactly(release, 
             error = (as_hf[name].float() - w).abs()
             assert (error <= 0.07 * w.abs() + 2**-9 * scale).all(), name
             assert error.max() > 0, name  # really quantized
+
+
+def test_one_step_equals_deepseeks_two_steps(release, tmp_path):
+    """fp8_cast_bf16.py, then --to-dsv3 (its output keeps config.json's quantization_config) gives the same files."""
+    write_release(tmp_path / "bf16", release.deepseek_bf16(), release.config)
+    convert_hf.main(["--to-dsv3", str(tmp_path / "bf16"), str(tmp_path / "two_steps")])
+    convert_hf.main(["--to-dsv3", str(release.path), str(tmp_path / "one_step")])
+    one_step, two_steps = load_export(tmp_path / "one_step"), load_export(tmp_path / "two_steps")
+    assert one_step.keys() == two_steps.keys() and all(torch.equal(one_step[k], two_steps[k]) for k in one_step)
 
 
 def bad(release: Release, tensors: dict | None = None, **quantization) -> tuple[dict, dict]:
