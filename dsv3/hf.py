@@ -7,6 +7,8 @@ per expert `mlp.experts.J.{gate,up,down}_proj.weight` (on disk) or transformers-
 `n_layers + k`, which also repeats the shared embedding and head (dropped on import, written on export).
 Ours: `Transformer.state_dict()`, experts stacked as `ffn.experts.w13` [E, 2I, dim] (gate rows, then up)
 and `ffn.experts.w2` [E, dim, I] — the fused HF layout, so only the per-expert layout needs (un)stacking.
+DeepSeek's FP8 release (float8_e4m3fn linear weights, fp32 scales per 128×128 block in `weight_scale_inv`) is
+dequantized to bf16 one weight at a time on import, as DeepSeek's own fp8_cast_bf16.py does.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ _BLOCK_FROM_HF = {hf: ours for ours, hf in _BLOCK.items()}
 _MTP_FROM_HF = {hf: ours for ours, hf in _MTP.items()}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _PER_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+# ModelConfig's YaRN parameters, which HF's config holds only while YaRN is on
+_YARN_FIELDS = ("original_seq_len", "rope_factor", "beta_fast", "beta_slow", "mscale")
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -93,8 +97,14 @@ def config_from_hf(d: dict) -> ModelConfig:
         rope_theta=d.get("rope_theta") or rope.get("rope_theta") or 10000.0,
         n_mtp_layers=d.get("num_nextn_predict_layers") or 0, norm_eps=d.get("rms_norm_eps", 1e-6),
     )
+    kept = d.get("dsv3") or {}  # what config_to_hf kept beside HF's fields
     if rope_type == "yarn":
         cfg.update(_yarn_from_hf(rope, max_seq_len))
+    else:  # YaRN's parameters ride along unused, as long as they keep it off as HF does (no edited max length)
+        cfg.update({k: kept[k] for k in _YARN_FIELDS if k in kept})
+        cfg["original_seq_len"] = max(cfg["original_seq_len"], max_seq_len)
+    if "init_std" in kept:
+        cfg["init_std"] = kept["init_std"]
     return ModelConfig(**cfg)
 
 
@@ -169,11 +179,17 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "num_nextn_predict_layers": cfg.n_mtp_layers, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
         "attention_bias": False, "tie_word_embeddings": False,
     }
+    # The ModelConfig fields HF has no place for, so that --to-hf then --to-dsv3 gives back the same config
+    # (transformers keeps unknown keys): the init std (HF's initializer_range is its own default, not ours),
+    # and YaRN's parameters while it is off, which matter again once a run raises max_seq_len.
+    d["dsv3"] = {"init_std": cfg.init_std}
     if cfg.max_seq_len > cfg.original_seq_len:
         d["rope_scaling"] = {"type": "yarn", "factor": cfg.rope_factor,
                              "original_max_position_embeddings": cfg.original_seq_len,
                              "beta_fast": cfg.beta_fast, "beta_slow": cfg.beta_slow,
                              "mscale": cfg.mscale, "mscale_all_dim": cfg.mscale}
+    else:
+        d["dsv3"].update({k: getattr(cfg, k) for k in _YARN_FIELDS})
     return d
 
 
@@ -322,16 +338,17 @@ def check_dsv3_keys(shapes: Mapping[str, Sequence[int]], cfg: ModelConfig) -> No
             raise ValueError(f"{k} has shape {tuple(shape)}; the config needs {tuple(expected[k])}")
 
 
-def _mismatch(what: str, unknown: list[str], missing: list[str]) -> ValueError:
-    def listing(names: list[str]) -> str:
-        more = f", ... ({len(names) - 20} more)" if len(names) > 20 else ""
-        return ", ".join(names[:20]) + more
+def _listing(names: list[str]) -> str:
+    more = f", ... ({len(names) - 20} more)" if len(names) > 20 else ""
+    return ", ".join(names[:20]) + more
 
-    parts = [f"{len(unknown)} unknown: {listing(unknown)}"] if unknown else []
-    parts += [f"{len(missing)} missing: {listing(missing)}"] if missing else []
+
+def _mismatch(what: str, unknown: list[str], missing: list[str]) -> ValueError:
+    parts = [f"{len(unknown)} unknown: {_listing(unknown)}"] if unknown else []
+    parts += [f"{len(missing)} missing: {_listing(missing)}"] if missing else []
     hint = ""
-    if any(n.endswith("_scale_inv") for n in unknown):
-        hint = " (FP8 weights with block scales: dequantize the checkpoint to bf16 first)"
+    if any(n.endswith(SCALE_SUFFIX) for n in unknown):
+        hint = " (FP8 weights with block scales: dequantize them with dequantize_fp8, as convert_hf.py --to-dsv3 does)"
     elif missing and all(k.startswith("mtp.") for k in missing):
         hint = " (no MTP layers in the checkpoint, as transformers saves it: use n_mtp_layers=0)"
     return ValueError(f"{what} does not match the model config: " + "; ".join(parts) + hint)
@@ -405,3 +422,70 @@ def state_dict_to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig, fused_exp
     for key, tensor in sd.items():
         out.update(tensor_to_hf(key, tensor, cfg, fused_experts))
     return out
+
+
+# ---------------------------------------------------------------------------------------- FP8 release
+
+# DeepSeek's FP8 release: each quantized `X.weight` (float8_e4m3fn) has its block scales in `X.weight_scale_inv`
+SCALE_SUFFIX = "_scale_inv"
+
+
+def fp8_block_size(hf_config: dict) -> tuple[int, int] | None:
+    """The [rows, cols] weight block of config.json's quantization_config (DeepSeek's FP8 release: [128, 128]);
+    None if it has none. Raises ValueError for a quantization other than DeepSeek's block-scaled e4m3."""
+    q = hf_config.get("quantization_config")
+    if q is None:
+        return None
+    block = q.get("weight_block_size")
+    if (q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or not isinstance(block, list)
+            or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"quantization_config {json.dumps(q)} not supported: dsv3 dequantizes DeepSeek's FP8 "
+                         'release only (quant_method "fp8", fmt "e4m3", weight_block_size [rows, cols])')
+    return block[0], block[1]
+
+
+def _scale_shape(weight_shape: Sequence[int], block: tuple[int, int]) -> tuple[int, ...]:
+    return tuple(math.ceil(n / b) for n, b in zip(weight_shape, block))  # edge blocks are partial
+
+
+def fp8_scales(dtypes: Mapping[str, str], shapes: Mapping[str, Sequence[int]],
+               block: tuple[int, int] | None) -> dict[str, str]:
+    """Pairs each FP8 weight with its scale (weight name → scale name), from the safetensors headers' dtypes
+    ("F8_E4M3", "BF16", ...) and shapes, before anything is read. Raises one ValueError listing what does not
+    pair up: FP8 weights without a quantization_config, in another FP8 format, without their weight_scale_inv,
+    with a scale not of ceil(weight shape / block) blocks; scales without an FP8 weight."""
+    fp8 = {name for name, dtype in dtypes.items() if dtype.startswith("F8_")}
+    if fp8 and block is None:
+        raise ValueError(f"{len(fp8)} FP8 tensors ({_listing(sorted(fp8))}) but config.json has no "
+                         "quantization_config")
+    problems: dict[str, list[str]] = defaultdict(list)
+    for name in dtypes:
+        if name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) not in fp8:
+            problems["weight_scale_inv without an FP8 weight"].append(name)
+    scales = {}
+    for name in sorted(fp8):
+        scale = name + SCALE_SUFFIX
+        if dtypes[name] != "F8_E4M3":
+            problems["FP8 weights not in e4m3"].append(f"{name} ({dtypes[name]})")
+        elif scale not in dtypes:
+            problems["FP8 weights without their weight_scale_inv"].append(name)
+        elif len(shapes[name]) != 2 or tuple(shapes[scale]) != _scale_shape(shapes[name], block):
+            problems[f"scales that are not ceil(weight shape / {list(block)})"].append(
+                f"{scale} {list(shapes[scale])} for {list(shapes[name])}")
+        else:
+            scales[name] = scale
+    if problems:
+        raise ValueError("FP8 checkpoint: " + "; ".join(f"{len(names)} {what}: {_listing(names)}"
+                                                        for what, names in problems.items()))
+    return scales
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """A block-scaled FP8 weight [out, in] → bf16 as DeepSeek's fp8_cast_bf16.py computes it: in fp32,
+    w[i, j] = fp8[i, j] · scale_inv[i // block_rows, j // block_cols], rounded once to bf16."""
+    if weight.dim() != 2 or scale_inv.shape != _scale_shape(weight.shape, block):
+        raise ValueError(f"scale_inv {list(scale_inv.shape)} does not hold the {list(block)} blocks of a weight "
+                         f"{list(weight.shape)}")
+    i = torch.arange(weight.size(0))[:, None]
+    j = torch.arange(weight.size(1))[None, :]
+    return (weight.float() * scale_inv.float()[i // block[0], j // block[1]]).to(torch.bfloat16)

@@ -3,10 +3,14 @@
     python scripts/convert_hf.py --to-dsv3 HF_DIR OUT_DIR
     python scripts/convert_hf.py --to-hf DSV3_DIR OUT_DIR [--fused-experts] [--allow-lossy]
 
-HF_DIR: an HF config.json + *.safetensors shards (bf16/fp32; dequantize DeepSeek's FP8 release first).
+HF_DIR: an HF config.json + *.safetensors shards: bf16/fp32, or DeepSeek's FP8 release as published
+(float8_e4m3fn weights + `weight_scale_inv` block scales, config.json's quantization_config), which is
+dequantized to bf16 weight by weight, each scale read from whichever shard holds it.
 DSV3_DIR: our config.json (ModelConfig fields) + *.safetensors shards with `Transformer.state_dict()` names.
 Both directions write shards of at most --max-shard-gb plus model.safetensors.index.json, and hold at most
-one output shard and the routed-expert stacks still being collected, never the whole model.
+one output shard and the routed-expert stacks still being collected, never the whole model. The tokenizer
+files beside the source's config.json (tokenizer.json, tokenizer_config.json, ...) are copied along, so that
+transformers loads model and tokenizer from one directory. Bad input stops before anything is written.
 --to-hf refuses a softmax-routed model with a trained expert bias or route_norm (HF's deepseek_v2 has neither)
 unless --allow-lossy. Files are written with the umask's mode (0644 under the usual 022), like config.json.
 """
@@ -15,9 +19,11 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -27,9 +33,13 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file without installing dsv3
 from dsv3.config import UserError, run_main  # noqa: E402
 from dsv3.hf import (FromHF, check_dsv3_keys, check_hf_keys, check_hf_represents, config_from_hf,  # noqa: E402
-                     config_to_hf, load_config_json, save_config, tensor_to_hf)
+                     config_to_hf, dequantize_fp8, fp8_block_size, fp8_scales, load_config_json, save_config,
+                     tensor_to_hf)
 
 INDEX = "model.safetensors.index.json"
+# what transformers' AutoTokenizer (and generate's defaults) read from a checkpoint directory
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "generation_config.json")
 
 
 def find_shards(src: Path) -> list[Path]:
@@ -50,14 +60,21 @@ def config_path(src: Path) -> Path:
     return path
 
 
-def tensor_shapes(shards: list[Path]) -> dict[str, list[int]]:
-    """Names and shapes from the safetensors headers, without reading any tensor."""
-    shapes = {}
+class Header(NamedTuple):
+    shard: Path
+    dtype: str  # safetensors' name: "BF16", "F32", "F8_E4M3", ...
+    shape: list[int]
+
+
+def read_headers(shards: list[Path]) -> dict[str, Header]:
+    """Every tensor's shard, dtype and shape from the safetensors headers, without reading any tensor."""
+    headers = {}
     for shard in shards:
         with safe_open(shard, framework="pt") as f:
             for name in f.keys():
-                shapes[name] = f.get_slice(name).get_shape()
-    return shapes
+                header = f.get_slice(name)
+                headers[name] = Header(shard, header.get_dtype(), header.get_shape())
+    return headers
 
 
 def expert_biases(shards: list[Path]) -> Iterator[torch.Tensor]:
@@ -66,13 +83,25 @@ def expert_biases(shards: list[Path]) -> Iterator[torch.Tensor]:
             yield from (f.get_tensor(name) for name in f.keys() if name.endswith("expert_bias"))
 
 
-def read_tensors(shards: list[Path], total: int) -> Iterator[tuple[str, torch.Tensor]]:
+def read_tensors(shards: list[Path], total: int, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     with tqdm(total=total, unit="tensor", desc="converting") as progress:
         for shard in shards:
             with safe_open(shard, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
-                    progress.update()
+                    if name not in skip:
+                        yield name, f.get_tensor(name)
+                        progress.update()
+
+
+def dequantized(tensors: Iterator[tuple[str, torch.Tensor]], scales: dict[str, str], headers: dict[str, Header],
+                block: tuple[int, int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The FP8 weights among `tensors` in bf16 (`scales`: weight → its scale's name). A scale is read from its
+    own shard as its weight passes, since DeepSeek's release may keep the two in different shards."""
+    for name, tensor in tensors:
+        if name in scales:
+            with safe_open(headers[scales[name]].shard, framework="pt") as f:
+                tensor = dequantize_fp8(tensor, f.get_tensor(scales[name]), block)
+        yield name, tensor
 
 
 class ShardWriter:
@@ -126,29 +155,40 @@ def open_output(out: Path) -> None:
         raise UserError(f"{out} already holds *.safetensors shards; pick an empty output directory.")
 
 
+def copy_tokenizer(src: Path, out: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)  # a new file with the umask's mode, like the shards
+
+
 def to_dsv3(src: Path, out: Path, max_bytes: int) -> None:
-    cfg = config_from_hf(json.loads(config_path(src).read_text()))
+    hf_config = json.loads(config_path(src).read_text())
+    cfg, block = config_from_hf(hf_config), fp8_block_size(hf_config)
     shards = find_shards(src)
-    shapes = tensor_shapes(shards)
+    headers = read_headers(shards)
+    scales = fp8_scales({n: h.dtype for n, h in headers.items()}, {n: h.shape for n, h in headers.items()}, block)
+    scale_names = set(scales.values())
+    shapes = {n: h.shape for n, h in headers.items() if n not in scale_names}
     if cfg.n_mtp_layers and not any(n.startswith(f"model.layers.{cfg.n_layers}.") for n in shapes):
         print(f"{src} has no MTP layers (transformers does not save them): converting with n_mtp_layers=0")
         cfg = dataclasses.replace(cfg, n_mtp_layers=0)
     check_hf_keys(shapes, cfg)  # fail before writing anything
     open_output(out)
     importer, writer = FromHF(cfg), ShardWriter(out, max_bytes)
-    for name, tensor in read_tensors(shards, len(shapes)):
+    for name, tensor in dequantized(read_tensors(shards, len(shapes), skip=scale_names), scales, headers, block):
         for key, converted in importer.add(name, tensor).items():
             writer.add(key, converted)
     for key, converted in importer.finish().items():
         writer.add(key, converted)
     writer.close()
     save_config(cfg, out / "config.json")
+    copy_tokenizer(src, out)
 
 
 def to_hf(src: Path, out: Path, max_bytes: int, fused_experts: bool, allow_lossy: bool = False) -> None:
     cfg = load_config_json(config_path(src))
     shards = find_shards(src)
-    shapes = tensor_shapes(shards)
+    shapes = {n: h.shape for n, h in read_headers(shards).items()}
     check_dsv3_keys(shapes, cfg)
     check_hf_represents(cfg, expert_biases(shards), allow_lossy)
     open_output(out)
@@ -158,6 +198,7 @@ def to_hf(src: Path, out: Path, max_bytes: int, fused_experts: bool, allow_lossy
             writer.add(name, converted)
     writer.close()
     (out / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+    copy_tokenizer(src, out)
 
 
 def main(argv: list[str] | None = None) -> None:

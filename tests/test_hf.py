@@ -8,15 +8,19 @@ Needs a transformers whose DeepseekV3 router masks unselected groups with -inf (
 import dataclasses
 import json
 import os
+import shutil
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config, DeepseekV2ForCausalLM,
+                          DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast)
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 import scripts.convert_hf as convert_hf
+from conftest import ROOT
 from dsv3.config import FLAVORS, ModelConfig, UserError
 from dsv3.hf import (FromHF, config_from_hf, config_to_hf, load_config_json, save_config, state_dict_from_hf,
                      state_dict_to_hf)
@@ -154,16 +158,25 @@ def test_yarn_matches_transformers():
 
 
 YARN = dataclasses.replace(TINY, max_seq_len=64, original_seq_len=16, rope_factor=4.0, mscale=0.707)
+# YaRN off (max_seq_len <= original_seq_len), its unused parameters and the init std all off their defaults
+YARN_OFF = dataclasses.replace(TINY, original_seq_len=4096, rope_factor=8.0, beta_fast=16, beta_slow=2, mscale=0.5,
+                               init_std=0.02)
 
 
-@pytest.mark.parametrize("cfg", [FLAVORS["debug"], FLAVORS["16B"], FLAVORS["671B"], TINY, YARN],
-                         ids=["debug", "16B", "671B", "tiny", "yarn"])
+@pytest.mark.parametrize("cfg", [FLAVORS["debug"], FLAVORS["16B"], FLAVORS["671B"], TINY, YARN, YARN_OFF],
+                         ids=["debug", "16B", "671B", "tiny", "yarn", "yarn-off"])
 def test_config_round_trips_through_hf_and_transformers(cfg):
-    if cfg.max_seq_len <= cfg.original_seq_len:  # YaRN off: HF has no place for an unused original length
-        cfg = dataclasses.replace(cfg, original_seq_len=cfg.max_seq_len)
     assert config_from_hf(config_to_hf(cfg)) == cfg
     hf_class = DeepseekV3Config if cfg.score_func == "sigmoid" else DeepseekV2Config
     assert config_from_hf(hf_class(**config_to_hf(cfg)).to_dict()) == cfg
+
+
+def test_yarn_stays_off_when_an_hf_config_without_rope_scaling_outgrows_the_kept_original_length():
+    """Plain RoPE in HF must stay plain RoPE here: a raised max_position_embeddings overrides the kept length."""
+    d = config_to_hf(YARN_OFF) | {"max_position_embeddings": 8192}
+    cfg = config_from_hf(d)
+    assert (cfg.max_seq_len, cfg.original_seq_len, cfg.rope_factor) == (8192, 8192, 8.0)
+    assert config_from_hf(d | {"dsv3": {}}).original_seq_len == 8192  # an HF config of someone else's
 
 
 def test_config_json_round_trip(tmp_path):
@@ -284,6 +297,16 @@ def test_convert_script_round_trips_sharded_checkpoints(tmp_path):
     assert_same(read_checkpoint(tmp_path / "fused"), state_dict_to_hf(ours, TINY, fused_experts=True))
 
 
+def test_convert_script_round_trip_keeps_every_config_field(tmp_path):
+    """--to-hf then --to-dsv3 of a model with YaRN off used to come back with original_seq_len = max_seq_len."""
+    (tmp_path / "dsv3").mkdir()
+    save_file(random_ours(YARN_OFF), tmp_path / "dsv3" / "model.safetensors")
+    save_config(YARN_OFF, tmp_path / "dsv3" / "config.json")
+    convert_hf.main(["--to-hf", str(tmp_path / "dsv3"), str(tmp_path / "hf")])
+    convert_hf.main(["--to-dsv3", str(tmp_path / "hf"), str(tmp_path / "back")])
+    assert load_config_json(tmp_path / "back" / "config.json") == YARN_OFF
+
+
 def test_convert_script_errors_are_clear(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="config.json not found"):
@@ -293,7 +316,7 @@ def test_convert_script_errors_are_clear(tmp_path):
         convert_hf.main(["--to-dsv3", str(tmp_path / "empty"), str(tmp_path / "out")])
     hf = state_dict_to_hf(random_ours(), TINY) | {"model.layers.0.self_attn.q_a_proj.weight_scale_inv": torch.ones(1)}
     write_hf_checkpoint(tmp_path / "fp8", hf, config_to_hf(TINY))
-    with pytest.raises(UserError, match="1 unknown: .*weight_scale_inv.*dequantize"):
+    with pytest.raises(UserError, match="1 weight_scale_inv without an FP8 weight: .*q_a_proj.weight_scale_inv"):
         convert_hf.main(["--to-dsv3", str(tmp_path / "fp8"), str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()  # checked before anything is written
 
@@ -317,6 +340,36 @@ def test_convert_script_reads_and_writes_transformers_checkpoints(tmp_path):
         convert_hf.main(["--to-hf", str(tmp_path / "dsv3"), str(out), *flags])
         back = DeepseekV3ForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
         assert torch.equal(back(tokens).logits, reference)
+
+
+def save_tokenizer(path) -> PreTrainedTokenizerFast:
+    words = ["<unk>", "<s>", "</s>", *"the quick brown fox jumps over a lazy dog".split()]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    return fast
+
+
+def test_convert_script_carries_the_tokenizer_both_ways(tmp_path):
+    """A converted directory, and the HF one exported from it, load model and tokenizer in transformers."""
+    hf_model = DeepseekV3ForCausalLM(v3_grouped_config())
+    hf_model.generation_config.max_new_tokens = 7  # not a default: only the source's file has it
+    hf_model.save_pretrained(tmp_path / "hf")  # + generation_config.json
+    tokenizer = save_tokenizer(tmp_path / "hf")  # tokenizer.json, tokenizer_config.json
+    shutil.copyfile(ROOT / "data" / "tokenizer.model", tmp_path / "hf" / "tokenizer.model")  # a sentencepiece one
+    carried = {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json"}
+    assert carried <= {f.name for f in (tmp_path / "hf").iterdir()}
+    convert_hf.main(["--to-dsv3", str(tmp_path / "hf"), str(tmp_path / "dsv3")])
+    convert_hf.main(["--to-hf", str(tmp_path / "dsv3"), str(tmp_path / "back")])
+    for out in ("dsv3", "back"):
+        present = {f.name for f in (tmp_path / out).iterdir() if f.name in convert_hf.TOKENIZER_FILES}
+        assert present == carried  # no special_tokens_map.json where the source had none
+        for name in carried:
+            assert (tmp_path / out / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), (out, name)
+    text = "the lazy fox jumps"
+    assert AutoTokenizer.from_pretrained(tmp_path / "back")(text).input_ids == tokenizer(text).input_ids
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "back").generation_config.max_new_tokens == 7
 
 
 SOFTMAX = dataclasses.replace(TINY, score_func="softmax", route_norm=False)
