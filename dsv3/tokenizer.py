@@ -68,8 +68,8 @@ class Tokenizer:
         self.vocab_size = max(self._hf.get_vocab(with_added_tokens=True).values()) + 1
         config_path = path.with_name(HF_CONFIG)
         if not config_path.is_file():
-            raise UserError(f"tokenizer {path} has no {HF_CONFIG} beside it to name its BOS / EOS tokens; "
-                            f"write one, e.g. {{\"bos_token\": \"...\", \"eos_token\": \"...\", \"add_bos_token\": true}}")
+            raise UserError(f"tokenizer {path} has no {HF_CONFIG} beside it to name its BOS / EOS tokens; write "
+                            'one, e.g. {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": true}')
         try:
             config = json.loads(config_path.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
