@@ -87,7 +87,8 @@ class Tokenizer:
         self.bos_id = self._special_id(config, "bos_token")
         self.eos_id = self._special_id(config, "eos_token")
         # transformers 4 adds BOS as add_bos_token says; 5 ignores the flag beside a tokenizer.json and follows its
-        # post-processor. The two agree in DeepSeek's files and in train_tokenizer.py's; the flag wins where set.
+        # post-processor. Files saved by transformers 4 (DeepSeek's LlamaTokenizerFast) and by train_tokenizer.py
+        # agree; the flag wins where set.
         if self.bos_id is None:
             self.add_bos = False
         elif "add_bos_token" in config:
