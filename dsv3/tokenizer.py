@@ -25,6 +25,13 @@ class Tokenizer:
     """A sentencepiece model file, a tokenizer.json file, or a directory holding tokenizer.json (preferred,
     with tokenizer_config.json beside it) or tokenizer.model. Ids are plain ints."""
 
+    kind: str  # "sentencepiece" | "hf"
+    path: Path  # the file opened
+    vocab_size: int  # ids a model must embed: max id + 1, added / special tokens included
+    bos_id: int | None
+    eos_id: int  # put after every document
+    add_bos: bool  # put BOS before every document (HF: tokenizer_config.json's add_bos_token; sentencepiece: no)
+
     def __init__(self, path: str | Path):
         path = Path(path)
         if path.is_dir():
@@ -34,8 +41,8 @@ class Tokenizer:
                             "or pass a sentencepiece .model, a tokenizer.json or a directory holding one")
         self.path = path
         with path.open("rb") as f:
-            head = f.read(64).lstrip()
-        if head.startswith(b"{"):  # a sentencepiece model is a binary proto; a tokenizer.json is a JSON object
+            first = f.read(1)
+        if path.suffix == ".json" or first == b"{":  # a sentencepiece model is a proto, whose first byte is a tag
             self._open_hf(path)
         else:
             self._open_sentencepiece(path)
@@ -50,9 +57,9 @@ class Tokenizer:
             raise UserError(f"tokenizer {path} is neither a sentencepiece model nor a Hugging Face "
                             f"{HF_FILE} ({e}); pass one, or train one with `python scripts/train_tokenizer.py`")
         self.kind = "sentencepiece"
-        self.vocab_size: int = self._sp.get_piece_size()
-        self.bos_id: int | None = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
-        self.eos_id: int | None = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
+        self.vocab_size = self._sp.get_piece_size()
+        self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+        self.eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
         self.add_bos = False  # our sentencepiece data has always been EOS-separated only
 
     def _open_hf(self, path: Path) -> None:
@@ -68,20 +75,25 @@ class Tokenizer:
         self.vocab_size = max(self._hf.get_vocab(with_added_tokens=True).values()) + 1
         config_path = path.with_name(HF_CONFIG)
         if not config_path.is_file():
-            raise UserError(f"tokenizer {path} has no {HF_CONFIG} beside it to name its BOS / EOS tokens; "
-                            f"write one, e.g. {{\"bos_token\": \"...\", \"eos_token\": \"...\", \"add_bos_token\": true}}")
+            raise UserError(f"tokenizer {path} has no {HF_CONFIG} beside it to name its BOS / EOS tokens; write "
+                            'one, e.g. {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": true}')
         try:
             config = json.loads(config_path.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
             raise UserError(f"{config_path} is not valid JSON ({e}); fix or rewrite it")
+        if not isinstance(config, dict):
+            raise UserError(f"{config_path} is not a JSON object; fix or rewrite it")
         self._config_path = config_path
         self.bos_id = self._special_id(config, "bos_token")
         self.eos_id = self._special_id(config, "eos_token")
+        # transformers 4 adds BOS as add_bos_token says; 5 ignores the flag beside a tokenizer.json and follows its
+        # post-processor. Files saved by transformers 4 (DeepSeek's LlamaTokenizerFast) and by train_tokenizer.py
+        # agree; the flag wins where set.
         if self.bos_id is None:
             self.add_bos = False
         elif "add_bos_token" in config:
             self.add_bos = bool(config["add_bos_token"])
-        else:  # no flag: tokenizer.json's post-processor decides, as it does in transformers
+        else:
             self.add_bos = self._hf.encode("", add_special_tokens=True).ids[:1] == [self.bos_id]
 
     def _special_id(self, config: dict, key: str) -> int | None:
@@ -90,6 +102,8 @@ class Tokenizer:
             token = token.get("content")
         if token is None:
             return None
+        if not isinstance(token, str):
+            raise UserError(f"{self._config_path}: {key} is {token!r}, not a token; write the token's text there")
         token_id = self._hf.token_to_id(token)
         if token_id is None:
             raise UserError(f"{self._config_path} names {key} {token!r}, which the vocabulary of {self.path} "

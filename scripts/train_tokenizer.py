@@ -112,8 +112,8 @@ def train_hf_bpe(sentences: Iterator[str], out: Path, vocab_size: int) -> Path:
     tokenizer.train_from_iterator(sentences, trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=[BOS, EOS], initial_alphabet=alphabet, show_progress=False,
     ))
-    # transformers ≥ 5 takes BOS from tokenizer.json's post-processor and ignores add_bos_token when a
-    # tokenizer.json exists; 4.x follows add_bos_token. Both are written, so both add BOS.
+    # transformers' fast tokenizers add BOS through tokenizer.json's post-processor (version 5 ignores
+    # add_bos_token when a tokenizer.json exists); dsv3 reads add_bos_token. Both say "BOS first".
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B:1", special_tokens=[(BOS, tokenizer.token_to_id(BOS))],
     )
@@ -123,9 +123,9 @@ def train_hf_bpe(sentences: Iterator[str], out: Path, vocab_size: int) -> Path:
         "bos_token": added_token(BOS),
         "eos_token": added_token(EOS),
         "clean_up_tokenization_spaces": False,
-        # DeepSeek names LlamaTokenizerFast, whose transformers 5 class is a Metaspace (sentencepiece-style)
-        # tokenizer that AutoTokenizer swaps out for a ByteLevel tokenizer.json, with a warning; this class
-        # loads tokenizer.json as it is in transformers 4 and 5 alike.
+        # DeepSeek names LlamaTokenizerFast, which transformers 5 builds as a Metaspace (sentencepiece-style)
+        # tokenizer and swaps, with a warning, for a ByteLevel tokenizer.json; this class loads
+        # tokenizer.json as it is, in transformers 4 and 5 alike.
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
     out.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `dsv3`, `train` and `scripts` import from a plain checkout
@@ -23,6 +24,57 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# A few KB of English, code and non-Latin text: enough merges for a few hundred ids.
+TOKENIZER_CORPUS = [
+    "The quick brown fox jumps over the lazy dog; the dog sleeps on, and the fox runs into the forest.\n",
+    "def train(model, batch, lr=3e-4):\n    loss = model(batch).mean()\n    loss.backward()\n    return loss.item()\n",
+    "for (int i = 0; i < n; ++i) {\n\tsum += x[i] * y[i];\n}\n",
+    "数据并行与专家并行 データ並列 — naïve café, Ωμέγα ✓ 🚀 2025-01-20 12:34:56\n",
+    "    if tokens_per_expert[e] > capacity:\n        dropped += 1\n\n\n",
+] * 8
+
+
+@pytest.fixture(scope="session")
+def deepseek_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory laid out like DeepSeek-V3's tokenizer, built here (no download): tokenizer.json (byte-level
+    BPE behind DeepSeek's split regexes, BOS / EOS / pad at ids 0 / 1 / 2, chat tokens at the top, and the BOS
+    post-processor transformers writes for add_bos_token) and tokenizer_config.json (AddedToken dicts,
+    add_bos_token true, LlamaTokenizerFast, legacy). 384 ids."""
+    bos, eos = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.Sequence([])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\p{N}{1,3}"), "isolated"),
+        pre_tokenizers.Split(Regex("[一-龥\u3040-ゟ゠-ヿ]+"), "isolated"),
+        pre_tokenizers.Split(Regex(r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+"""
+                                   r"""|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*"""
+                                   r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(TOKENIZER_CORPUS, trainers.BpeTrainer(
+        vocab_size=381, special_tokens=[bos, eos, "<｜▁pad▁｜>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    ))
+    tokenizer.add_special_tokens(["<｜fim▁hole｜>", "<｜User｜>", "<｜Assistant｜>"])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, 0)]
+    )
+    directory = tmp_path_factory.mktemp("deepseek_tokenizer")
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+    def added(content: str) -> dict:
+        return {"__type": "AddedToken", "content": content, "lstrip": False, "normalized": True, "rstrip": False,
+                "single_word": False}
+
+    config = {"add_bos_token": True, "add_eos_token": False, "bos_token": added(bos), "eos_token": added(eos),
+              "clean_up_tokenization_spaces": False, "legacy": True, "model_max_length": 16384,
+              "pad_token": added(eos), "sp_model_kwargs": {}, "unk_token": None,
+              "tokenizer_class": "LlamaTokenizerFast"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
+    return directory
 
 
 @pytest.fixture(scope="session")
