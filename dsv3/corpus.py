@@ -29,14 +29,16 @@ COMPRESSIONS = (".gz", ".zst")
 STDLIB_MAX_CHARS = 20_000_000
 STDLIB_FILES_PER_UNIT = 64
 BINARY_SNIFF_BYTES = 8192  # a NUL byte this early means a binary file, not text
-FEED_BYTES = 1 << 16  # compressed bytes decompressed per step: the precision of a corrupt file's offset
+# Compressed bytes decompressed per step: a reader holds this times the compression ratio, and a corrupt file's
+# offset is named to this precision.
+FEED_BYTES = 1 << 14
 PARQUET_BATCH_ROWS = 1024
 
 
 @dataclass(frozen=True)
 class Unit:
-    """One task of tokenization. kind: "stdlib" (files [start, stop) of the default corpus), "text" (a file, one document),
-    "jsonl" (the lines starting in bytes [start, stop) of a plain file; a compressed file whole: stop -1),
+    """One task of tokenization. kind: "stdlib" (files [start, stop) of the default corpus), "text" (a file, one
+    document), "jsonl" (the lines starting in bytes [start, stop) of a plain file; a compressed file whole: stop -1),
     "parquet" (row groups [start, stop))."""
 
     kind: str
@@ -54,8 +56,8 @@ class ReadOptions:
 
 def split_name(path: Path) -> tuple[str, str]:
     """(format, compression) of a file name: ("jsonl", ".zst") for x.jsonl.zst; ("", "") if not a corpus file."""
-    stem, compression = (path.name[: -len(path.suffix)], path.suffix) if path.suffix in COMPRESSIONS else (path.name, "")
-    fmt = Path(stem).suffix
+    compression = path.suffix if path.suffix in COMPRESSIONS else ""
+    fmt = Path(path.stem).suffix if compression else path.suffix
     if fmt not in FORMATS or (fmt == ".parquet" and compression):
         return "", ""
     return fmt[1:], compression
@@ -136,7 +138,8 @@ def stdlib_units(max_chars: int = STDLIB_MAX_CHARS) -> list[Unit]:
         if total + size > max_chars:
             break
         total, count = total + size, count + 1
-    return [Unit("stdlib", "", a, min(a + STDLIB_FILES_PER_UNIT, count)) for a in range(0, count, STDLIB_FILES_PER_UNIT)]
+    per_unit = STDLIB_FILES_PER_UNIT
+    return [Unit("stdlib", "", a, min(a + per_unit, count)) for a in range(0, count, per_unit)]
 
 
 @functools.cache  # once per process: every stdlib unit needs the list
@@ -202,11 +205,13 @@ def parse_jsonl_line(raw: bytes, options: ReadOptions) -> str | None:
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg}, column {e.colno}); each line must be one JSON object.") from None
     if not isinstance(record, dict):
-        raise ValueError(f'a JSON {type(record).__name__}, not an object; each line must be an object like {{"{key}": "..."}}.')
+        raise ValueError(f"a JSON {type(record).__name__}, not an object; each line must be an object like "
+                         f'{{"{key}": "..."}}.')
     if key not in record:
         raise ValueError(f"no key {key!r} (keys: {sorted(record)}); choose one with --text-key.")
     if not isinstance(record[key], str):
-        raise ValueError(f"{key!r} is a {type(record[key]).__name__}, not a string; choose the text field with --text-key.")
+        raise ValueError(f"{key!r} is a {type(record[key]).__name__}, not a string; choose the text field with "
+                         "--text-key.")
     return record[key]
 
 
@@ -244,7 +249,7 @@ def refuse_binary(path: Path, head: bytes) -> None:
 def open_bytes(path: Path) -> io.BufferedReader:
     """A buffered binary reader of a file's content, decompressed if its name ends in .gz or .zst."""
     if path.suffix in COMPRESSIONS:
-        return io.BufferedReader(Decompressed(path), buffer_size=1 << 20)
+        return io.BufferedReader(Decompressed(path), buffer_size=1 << 18)
     return path.open("rb")
 
 
