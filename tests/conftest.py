@@ -83,7 +83,7 @@ def data() -> Path:
     corpus = ROOT / "data" / "stdlib"
     if not (corpus / "val" / "index.json").is_file():
         from scripts.prepare_data import prepare
-        prepare(None, str(ROOT / "data" / "tokenizer.model"), str(corpus), num_threads=os.cpu_count(),
+        prepare(None, str(ROOT / "data" / "tokenizer.model"), str(corpus), workers=os.cpu_count(),
                 progress=False)
     return corpus
 

@@ -84,7 +84,7 @@ def test_small_shard_tokens_writes_several_shards_and_loader_stitches_them(tmp_p
 
 
 def test_val_split_is_non_empty_and_disjoint_from_train(tmp_path):
-    out = prepared(tmp_path)
+    out = prepared(tmp_path, val_fraction=0.1)  # 40 documents: a 1% whole-document split cannot exist
     train, val = (json.loads((out / s / "index.json").read_text()) for s in ("train", "val"))
     assert val["num_documents"] >= 1 and val["num_tokens"] > 0
     assert train["num_documents"] + val["num_documents"] == len(DOCS)
@@ -238,18 +238,19 @@ def test_failed_rerun_leaves_the_previous_dataset_intact(tmp_path, monkeypatch):
             raise RuntimeError("killed mid-run")
         return Tokenizer.encode_batch(self, texts, num_threads)
 
-    many = write_txt(tmp_path / "many", DOCS * 10)  # > 256 documents: two encode batches
+    many = write_txt(tmp_path / "many", DOCS * 10)  # a unit per .txt file: the second one fails
     monkeypatch.setattr(prepare_data.Tokenizer, "encode_batch", encode_then_fail)
     with pytest.raises(RuntimeError, match="killed mid-run"):
         prepare([str(many)], TOKENIZER, str(out), shard_tokens=100, progress=False)
     after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert after == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["many", "tokens", "txt"]  # no temp dir left behind
+    # nothing left behind but the finished units, kept for a re-run
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many", "tokens", "tokens.partial", "txt"]
 
 
 def test_rerun_replaces_the_dataset_and_drops_its_extra_shards(tmp_path):
     out = prepared(tmp_path, shard_tokens=100)
-    prepare([str(write_txt(tmp_path / "few", DOCS[:4]))], TOKENIZER, str(out), progress=False)
+    prepare([str(write_txt(tmp_path / "few", DOCS[:4]))], TOKENIZER, str(out), val_fraction=0.25, progress=False)
     index = json.loads((out / "train" / "index.json").read_text())
     assert [p.name for p in sorted((out / "train").glob("shard_*.bin"))] == ["shard_00000.bin"]
     assert index["num_documents"] == 3
