@@ -26,7 +26,7 @@ def read_index(split_dir: str | Path) -> dict:
 
 def check_sources(mixture: list[tuple[str, str, float]], model_vocab_size: int, init_from: str = "") -> None:
     """Refuse, before anything is built, datasets that cannot be mixed or trained on: a missing one, sources
-    tokenized differently, a vocabulary the model cannot embed, data tokenized unlike the weights it starts from."""
+    tokenized differently, data tokenized unlike the weights it starts from, a vocabulary the model cannot embed."""
     indexes = {name: read_index(Path(path) / "train") for name, path, _ in mixture}
     fingerprints = {name: index["tokenizer_fingerprint"] for name, index in indexes.items()
                     if "tokenizer_fingerprint" in index}  # datasets prepared before fingerprints carry none
@@ -34,11 +34,6 @@ def check_sources(mixture: list[tuple[str, str, float]], model_vocab_size: int, 
         listing = ", ".join(f"{name} {fingerprint[:12]}" for name, fingerprint in fingerprints.items())
         raise UserError(f"the data sources were prepared with different tokenizers ({listing}): prepare them "
                         "all with the same scripts/prepare_data.py --tokenizer")
-    for name, index in indexes.items():
-        if index["vocab_size"] > model_vocab_size:
-            raise UserError(f"the data's tokenizer ({name}) has {index['vocab_size']} tokens but model.vocab_size "
-                            f"is {model_vocab_size}: set --model.vocab_size={index['vocab_size']} or re-tokenize "
-                            "the data")
     weights_tokenizer = find_tokenizer(init_from) if init_from else None
     if weights_tokenizer is not None:
         for name, fingerprint in fingerprints.items():
@@ -46,6 +41,11 @@ def check_sources(mixture: list[tuple[str, str, float]], model_vocab_size: int, 
                 raise UserError(f"data source {name} was prepared with another tokenizer than the one "
                                 f"checkpoint.init_from={init_from} carries: re-run scripts/prepare_data.py "
                                 f"--tokenizer {init_from}")
+    for name, index in indexes.items():
+        if index["vocab_size"] > model_vocab_size:
+            raise UserError(f"the data's tokenizer ({name}) has {index['vocab_size']} tokens but model.vocab_size "
+                            f"is {model_vocab_size}: set --model.vocab_size={index['vocab_size']} or re-tokenize "
+                            "the data")
 
 
 _FEISTEL_ROUNDS = 6

@@ -182,3 +182,18 @@ def test_missing_source_or_mismatched_tokenizers_stop_before_the_model_is_built(
         train.main(["--config", CONFIG, f"--data.sources={sources['prose']}:1,{other}:1",
                     f"--checkpoint.dir={tmp_path / 'b'}", *TINY])
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").glob("step-*"))
+
+
+def test_data_tokenized_unlike_the_init_from_weights_is_refused_before_the_build(sources, deepseek_tokenizer_dir,
+                                                                                  tmp_path, monkeypatch):
+    weights = tmp_path / "weights"  # what convert_hf.py --to-dsv3 leaves beside the shards: the release's tokenizer
+    weights.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (weights / name).write_bytes((deepseek_tokenizer_dir / name).read_bytes())
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("built a model"))
+    with pytest.raises(UserError, match=rf"prose was prepared with another tokenizer than the one "
+                                        rf"checkpoint.init_from={weights} carries: re-run scripts/prepare_data.py "
+                                        rf"--tokenizer {weights}$"):
+        train.main(["--config", CONFIG, f"--data.path={sources['prose']}", f"--checkpoint.init_from={weights}",
+                    f"--checkpoint.dir={tmp_path / 'run'}", *TINY])
+    assert not (tmp_path / "run").exists()
