@@ -37,9 +37,9 @@ PARQUET_BATCH_ROWS = 1024
 
 @dataclass(frozen=True)
 class Unit:
-    """One task of tokenization. kind: "stdlib" (files [start, stop) of the default corpus), "text" (a file, one
-    document), "jsonl" (the lines starting in bytes [start, stop) of a plain file; a compressed file whole: stop -1),
-    "parquet" (row groups [start, stop))."""
+    """One task of tokenization. kind: "stdlib" (files [start, stop) of the default corpus, whose root is path),
+    "text" (a file, one document), "jsonl" (the lines starting in bytes [start, stop) of a plain file; a compressed
+    file whole: stop -1), "parquet" (row groups [start, stop))."""
 
     kind: str
     path: str = ""
@@ -133,13 +133,14 @@ def stdlib_units(max_chars: int = STDLIB_MAX_CHARS) -> list[Unit]:
     """The bundled default corpus: this Python's standard library *.py files, sorted by path, one per document,
     up to max_chars characters (~20 MB of text; always present and offline), STDLIB_FILES_PER_UNIT per unit."""
     total = count = 0
+    root = sysconfig.get_paths()["stdlib"]
     for path in stdlib_files():
         size = len(read_stdlib_file(path))
         if total + size > max_chars:
             break
         total, count = total + size, count + 1
     per_unit = STDLIB_FILES_PER_UNIT
-    return [Unit("stdlib", "", a, min(a + per_unit, count)) for a in range(0, count, per_unit)]
+    return [Unit("stdlib", root, a, min(a + per_unit, count)) for a in range(0, count, per_unit)]
 
 
 @functools.cache  # once per process: every stdlib unit needs the list

@@ -12,6 +12,10 @@ parquet file) that --workers processes tokenize into OUT.partial/units/; the dat
 them in corpus order, byte-identical for any number of workers. A killed run re-run with the same arguments
 reuses the finished units. OUT is swapped in only when complete: a failed run leaves an existing dataset as
 it was. Text is read as UTF-8 (or --encoding); binary files are refused.
+
+Memory does not grow with the corpus: a worker holds one batch of documents (BATCH_DOCS, or BATCH_CHARS of
+text, and their ids) and its read buffers; the assembly one unit's document lengths. A .txt file is one
+document and is held whole by the worker that tokenizes it.
 """
 
 import argparse
@@ -211,11 +215,8 @@ def is_finished(stem: Path, dtype: str) -> bool:
 
 def unit_key(unit: Unit) -> str:
     """A name for the unit's files that changes when its input file does (size or modification time)."""
-    if unit.kind == "stdlib":
-        identity = [unit.kind, sys.version, unit.start, unit.stop]
-    else:
-        stat = Path(unit.path).stat()
-        identity = [unit.kind, str(Path(unit.path).resolve()), unit.start, unit.stop, stat.st_size, stat.st_mtime_ns]
+    stat = Path(unit.path).stat()
+    identity = [unit.kind, str(Path(unit.path).resolve()), unit.start, unit.stop, stat.st_size, stat.st_mtime_ns]
     return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:24]
 
 
@@ -367,7 +368,8 @@ def main() -> None:
     parser.add_argument("--val-fraction", type=float, default=0.01)
     parser.add_argument("--shard-tokens", type=int, default=50_000_000)
     parser.add_argument("--dtype", choices=["uint16", "uint32"], default=None, help="default: by vocab size")
-    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizing processes (default: CPUs)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="tokenizing processes (default: the CPU count)")
     parser.add_argument("--chunk-mb", type=float, default=CHUNK_BYTES / 2**20,
                         help="MiB of a plain .jsonl (or of parquet row groups) per unit of work")
     parser.add_argument("--encoding", default="utf-8", help=".txt/.jsonl text encoding, e.g. latin-1")
