@@ -189,6 +189,9 @@ def read_jsonl(path: Path, start: int, stop: int, options: ReadOptions) -> Itera
             try:
                 text = parse_jsonl_line(raw, options)
             except ValueError as e:
+                if path.suffix in COMPRESSIONS:  # data garbled by a corrupt stream is reported as that corruption
+                    while f.read(1 << 20):
+                        pass
                 line_no = (1 if first == 0 else count_lines(path, first)) + i
                 raise UserError(f"{path}:{line_no}: {e}") from None
             if text is not None:
@@ -274,7 +277,7 @@ class Decompressed(io.RawIOBase):
             if not feed:
                 if self.decompressor is not None:
                     raise UserError(f"{self.path}: {self.format} data ends mid-stream at compressed byte "
-                                    f"{self.offset} (a truncated file?); re-download or re-compress it.")
+                                    f"{self.offset} (truncated or corrupt); re-download or re-compress it.")
                 return 0
             self.pending = memoryview(self._decompress(feed))
             self.offset += len(feed)

@@ -19,9 +19,11 @@ document and is held whole by the worker that tokenizes it.
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import multiprocessing
+import multiprocessing.pool
 import os
 import shutil
 import sys
@@ -119,14 +121,16 @@ def tokenize_units(units: list[Unit], staging: Path, tokenizer: Tokenizer, dtype
               "tokenized", file=sys.stderr)
     for leftover in units_dir.glob("*.tmp-*"):  # a killed worker's unfinished file
         leftover.unlink()
+    # Workers fork before the bar starts its monitor thread: a process should fork while it has one thread.
     workers = min(workers, len(todo))
+    pool = start_workers(tokenizer, dtype, options, workers) if workers > 1 else None
     # The bar is a `with` block so that it ends its line before an error reaches stderr.
-    with tqdm(total=len(units), initial=len(units) - len(todo), desc="tokenizing", unit="unit",
-              disable=not progress) as bar:
-        if workers <= 1:
-            counts = (tokenize_unit(unit, stem, tokenizer, dtype, options) for unit, stem in todo)
+    with pool or contextlib.nullcontext(), tqdm(total=len(units), initial=len(units) - len(todo),
+                                                 desc="tokenizing", unit="unit", disable=not progress) as bar:
+        if pool:  # in unit order, so that the first failing unit in corpus order is the one reported
+            counts = pool.imap(run_unit, todo)
         else:
-            counts = run_workers(todo, tokenizer, dtype, options, workers)
+            counts = (tokenize_unit(unit, stem, tokenizer, dtype, options) for unit, stem in todo)
         tokens = 0
         for count in counts:
             tokens += count
@@ -135,10 +139,8 @@ def tokenize_units(units: list[Unit], staging: Path, tokenizer: Tokenizer, dtype
     return stems
 
 
-def run_workers(todo: list[tuple[Unit, Path]], tokenizer: Tokenizer, dtype: str, options: ReadOptions,
-                workers: int) -> Iterator[int]:
-    """tokenize_unit over `todo` on `workers` processes, one unit in flight per process; yields each unit's token
-    count in unit order, so that the first failing unit in corpus order is the one reported."""
+def start_workers(tokenizer: Tokenizer, dtype: str, options: ReadOptions, workers: int) -> multiprocessing.pool.Pool:
+    """`workers` processes that each tokenize one unit at a time (run_unit)."""
     # fork starts workers in milliseconds; elsewhere (macOS) fork is unsafe and spawn is the default.
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     # Workers encode on their own thread (num_threads=1). Had this process run HF tokenizers' thread pool, each
@@ -146,14 +148,12 @@ def run_workers(todo: list[tuple[Unit, Path]], tokenizer: Tokenizer, dtype: str,
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        pool = context.Pool(workers, initializer=init_worker, initargs=(str(tokenizer.path), dtype, options))
+        return context.Pool(workers, initializer=init_worker, initargs=(str(tokenizer.path), dtype, options))
     finally:
         if saved is None:
             del os.environ["TOKENIZERS_PARALLELISM"]
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = saved
-    with pool:
-        yield from pool.imap(run_unit, todo)
 
 
 _worker: tuple[Tokenizer, str, ReadOptions] | None = None  # a worker process's tokenizer and settings
