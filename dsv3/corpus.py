@@ -120,7 +120,7 @@ def read_unit(unit: Unit, options: ReadOptions) -> Iterator[str]:
         documents = read_jsonl(path, unit.start, unit.stop, options)
     else:
         parquet = open_parquet(path, options.column)
-        # Batches of rows, never a whole row group: one can be larger than RAM allows a worker.
+        # Batches of rows, not the unit's row groups at once (pyarrow holds about one row group's column).
         batches = parquet.iter_batches(PARQUET_BATCH_ROWS, row_groups=range(unit.start, unit.stop),
                                        columns=[options.column])
         documents = (doc for batch in batches for doc in batch.column(0).to_pylist())

@@ -291,12 +291,8 @@ class ShardWriter:
         return index
 
 
-def assemble(unit_files: list[Path], out: Path, tokenizer: Tokenizer, dtype: str, val_fraction: float,
-             shard_tokens: int, inputs: list[str] | None) -> dict[str, dict]:
-    """Write out/{train,val} from the unit files in order; returns both indexes. Streams: one unit's document
-    lengths in memory at a time, tokens copied file to file."""
-    # Doc 1, then every k-th: val is non-empty as soon as there are two documents, and train gets doc 0.
-    val_every = round(1 / val_fraction) if val_fraction > 0 else 0
+def count_documents(unit_files: list[Path], val_every: int) -> tuple[int, int, int, int]:
+    """(documents, tokens, val documents, val tokens) of the corpus, val by the whole-document rule."""
     n_docs = n_tokens = val_docs = val_tokens = 0
     for stem in unit_files:
         docs = doc_lengths(stem)
@@ -304,6 +300,16 @@ def assemble(unit_files: list[Path], out: Path, tokenizer: Tokenizer, dtype: str
             in_val = docs[(1 - n_docs) % val_every :: val_every]
             val_docs, val_tokens = val_docs + len(in_val), val_tokens + int(in_val.sum())
         n_docs, n_tokens = n_docs + len(docs), n_tokens + int(docs.sum())
+    return n_docs, n_tokens, val_docs, val_tokens
+
+
+def assemble(unit_files: list[Path], out: Path, tokenizer: Tokenizer, dtype: str, val_fraction: float,
+             shard_tokens: int, inputs: list[str] | None) -> dict[str, dict]:
+    """Write out/{train,val} from the unit files in order; returns both indexes. Streams: one unit's document
+    lengths in memory at a time, tokens copied file to file."""
+    # Doc 1, then every k-th: val is non-empty as soon as there are two documents, and train gets doc 0.
+    val_every = round(1 / val_fraction) if val_fraction > 0 else 0
+    n_docs, n_tokens, val_docs, val_tokens = count_documents(unit_files, val_every)
     if not n_docs:
         raise UserError(f"the corpus {inputs} has no non-empty documents; check --input, --text-key, --column.")
     tail = 0  # val is the last `tail` tokens of the stream instead of whole documents
@@ -336,10 +342,9 @@ def assemble(unit_files: list[Path], out: Path, tokenizer: Tokenizer, dtype: str
                     train.copy(source, position, int(starts[i]) - position)
                     val.copy(source, int(starts[i]), int(docs[i]))
                     position = int(starts[i + 1])
-                    val.documents += 1
                 train.copy(source, position, size - position)
         first_doc, first_token = first_doc + len(docs), first_token + size
-    train.documents, val.documents = (n_docs, 1) if tail else (n_docs - val.documents, val.documents)
+    train.documents, val.documents = (n_docs, 1) if tail else (n_docs - val_docs, val_docs)
     if val_every and (val_size := tail or val_tokens) < MIN_VAL_TOKENS:
         print(f"warning: val is {val_size} tokens, fewer than the {MIN_VAL_TOKENS} (seq_len + 1) that train.py "
               f"validates with at its default seq_len {MIN_VAL_TOKENS - 1}; give it more with --val-fraction "
