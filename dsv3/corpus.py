@@ -271,7 +271,7 @@ class Decompressed(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer) -> int:
+    def readinto(self, buffer: memoryview) -> int:
         while not self.pending:
             feed = self.file.read(FEED_BYTES)
             if not feed:
