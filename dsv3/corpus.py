@@ -37,9 +37,9 @@ PARQUET_BATCH_ROWS = 1024
 
 @dataclass(frozen=True)
 class Unit:
-    """One task of tokenization. kind: "stdlib" (files [start, stop) of the default corpus), "text" (a file, one
-    document), "jsonl" (the lines starting in bytes [start, stop) of a plain file; a compressed file whole: stop -1),
-    "parquet" (row groups [start, stop))."""
+    """One task of tokenization. kind: "stdlib" (files [start, stop) of the default corpus, whose root is path),
+    "text" (a file, one document), "jsonl" (the lines starting in bytes [start, stop) of a plain file; a compressed
+    file whole: stop -1), "parquet" (row groups [start, stop))."""
 
     kind: str
     path: str = ""
@@ -120,7 +120,7 @@ def read_unit(unit: Unit, options: ReadOptions) -> Iterator[str]:
         documents = read_jsonl(path, unit.start, unit.stop, options)
     else:
         parquet = open_parquet(path, options.column)
-        # Batches of rows, never a whole row group: one can be larger than RAM allows a worker.
+        # Batches of rows, not the unit's row groups at once (pyarrow holds about one row group's column).
         batches = parquet.iter_batches(PARQUET_BATCH_ROWS, row_groups=range(unit.start, unit.stop),
                                        columns=[options.column])
         documents = (doc for batch in batches for doc in batch.column(0).to_pylist())
@@ -133,13 +133,14 @@ def stdlib_units(max_chars: int = STDLIB_MAX_CHARS) -> list[Unit]:
     """The bundled default corpus: this Python's standard library *.py files, sorted by path, one per document,
     up to max_chars characters (~20 MB of text; always present and offline), STDLIB_FILES_PER_UNIT per unit."""
     total = count = 0
+    root = sysconfig.get_paths()["stdlib"]
     for path in stdlib_files():
         size = len(read_stdlib_file(path))
         if total + size > max_chars:
             break
         total, count = total + size, count + 1
     per_unit = STDLIB_FILES_PER_UNIT
-    return [Unit("stdlib", "", a, min(a + per_unit, count)) for a in range(0, count, per_unit)]
+    return [Unit("stdlib", root, a, min(a + per_unit, count)) for a in range(0, count, per_unit)]
 
 
 @functools.cache  # once per process: every stdlib unit needs the list
@@ -188,6 +189,9 @@ def read_jsonl(path: Path, start: int, stop: int, options: ReadOptions) -> Itera
             try:
                 text = parse_jsonl_line(raw, options)
             except ValueError as e:
+                if path.suffix in COMPRESSIONS:  # data garbled by a corrupt stream is reported as that corruption
+                    while f.read(1 << 20):
+                        pass
                 line_no = (1 if first == 0 else count_lines(path, first)) + i
                 raise UserError(f"{path}:{line_no}: {e}") from None
             if text is not None:
@@ -267,13 +271,13 @@ class Decompressed(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer) -> int:
+    def readinto(self, buffer: memoryview) -> int:
         while not self.pending:
             feed = self.file.read(FEED_BYTES)
             if not feed:
                 if self.decompressor is not None:
                     raise UserError(f"{self.path}: {self.format} data ends mid-stream at compressed byte "
-                                    f"{self.offset} (a truncated file?); re-download or re-compress it.")
+                                    f"{self.offset} (truncated or corrupt); re-download or re-compress it.")
                 return 0
             self.pending = memoryview(self._decompress(feed))
             self.offset += len(feed)

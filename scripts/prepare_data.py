@@ -12,12 +12,18 @@ parquet file) that --workers processes tokenize into OUT.partial/units/; the dat
 them in corpus order, byte-identical for any number of workers. A killed run re-run with the same arguments
 reuses the finished units. OUT is swapped in only when complete: a failed run leaves an existing dataset as
 it was. Text is read as UTF-8 (or --encoding); binary files are refused.
+
+Memory does not grow with the corpus: a worker holds one batch of documents (BATCH_DOCS, or BATCH_CHARS of
+text, and their ids) and its read buffers; the assembly one unit's document lengths. A .txt file is one
+document and is held whole by the worker that tokenizes it.
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import multiprocessing
+import multiprocessing.pool
 import os
 import shutil
 import sys
@@ -115,14 +121,16 @@ def tokenize_units(units: list[Unit], staging: Path, tokenizer: Tokenizer, dtype
               "tokenized", file=sys.stderr)
     for leftover in units_dir.glob("*.tmp-*"):  # a killed worker's unfinished file
         leftover.unlink()
+    # Workers fork before the bar starts its monitor thread: a process should fork while it has one thread.
     workers = min(workers, len(todo))
+    pool = start_workers(tokenizer, dtype, options, workers) if workers > 1 else None
     # The bar is a `with` block so that it ends its line before an error reaches stderr.
-    with tqdm(total=len(units), initial=len(units) - len(todo), desc="tokenizing", unit="unit",
-              disable=not progress) as bar:
-        if workers <= 1:
-            counts = (tokenize_unit(unit, stem, tokenizer, dtype, options) for unit, stem in todo)
+    with pool or contextlib.nullcontext(), tqdm(total=len(units), initial=len(units) - len(todo),
+                                                 desc="tokenizing", unit="unit", disable=not progress) as bar:
+        if pool:  # in unit order, so that the first failing unit in corpus order is the one reported
+            counts = pool.imap(run_unit, todo)
         else:
-            counts = run_workers(todo, tokenizer, dtype, options, workers)
+            counts = (tokenize_unit(unit, stem, tokenizer, dtype, options) for unit, stem in todo)
         tokens = 0
         for count in counts:
             tokens += count
@@ -131,10 +139,8 @@ def tokenize_units(units: list[Unit], staging: Path, tokenizer: Tokenizer, dtype
     return stems
 
 
-def run_workers(todo: list[tuple[Unit, Path]], tokenizer: Tokenizer, dtype: str, options: ReadOptions,
-                workers: int) -> Iterator[int]:
-    """tokenize_unit over `todo` on `workers` processes, one unit in flight per process; yields each unit's token
-    count in unit order, so that the first failing unit in corpus order is the one reported."""
+def start_workers(tokenizer: Tokenizer, dtype: str, options: ReadOptions, workers: int) -> multiprocessing.pool.Pool:
+    """`workers` processes that each tokenize one unit at a time (run_unit)."""
     # fork starts workers in milliseconds; elsewhere (macOS) fork is unsafe and spawn is the default.
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     # Workers encode on their own thread (num_threads=1). Had this process run HF tokenizers' thread pool, each
@@ -142,14 +148,12 @@ def run_workers(todo: list[tuple[Unit, Path]], tokenizer: Tokenizer, dtype: str,
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        pool = context.Pool(workers, initializer=init_worker, initargs=(str(tokenizer.path), dtype, options))
+        return context.Pool(workers, initializer=init_worker, initargs=(str(tokenizer.path), dtype, options))
     finally:
         if saved is None:
             del os.environ["TOKENIZERS_PARALLELISM"]
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = saved
-    with pool:
-        yield from pool.imap(run_unit, todo)
 
 
 _worker: tuple[Tokenizer, str, ReadOptions] | None = None  # a worker process's tokenizer and settings
@@ -211,11 +215,8 @@ def is_finished(stem: Path, dtype: str) -> bool:
 
 def unit_key(unit: Unit) -> str:
     """A name for the unit's files that changes when its input file does (size or modification time)."""
-    if unit.kind == "stdlib":
-        identity = [unit.kind, sys.version, unit.start, unit.stop]
-    else:
-        stat = Path(unit.path).stat()
-        identity = [unit.kind, str(Path(unit.path).resolve()), unit.start, unit.stop, stat.st_size, stat.st_mtime_ns]
+    stat = Path(unit.path).stat()
+    identity = [unit.kind, str(Path(unit.path).resolve()), unit.start, unit.stop, stat.st_size, stat.st_mtime_ns]
     return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:24]
 
 
@@ -290,12 +291,8 @@ class ShardWriter:
         return index
 
 
-def assemble(unit_files: list[Path], out: Path, tokenizer: Tokenizer, dtype: str, val_fraction: float,
-             shard_tokens: int, inputs: list[str] | None) -> dict[str, dict]:
-    """Write out/{train,val} from the unit files in order; returns both indexes. Streams: one unit's document
-    lengths in memory at a time, tokens copied file to file."""
-    # Doc 1, then every k-th: val is non-empty as soon as there are two documents, and train gets doc 0.
-    val_every = round(1 / val_fraction) if val_fraction > 0 else 0
+def count_documents(unit_files: list[Path], val_every: int) -> tuple[int, int, int, int]:
+    """(documents, tokens, val documents, val tokens) of the corpus, val by the whole-document rule."""
     n_docs = n_tokens = val_docs = val_tokens = 0
     for stem in unit_files:
         docs = doc_lengths(stem)
@@ -303,6 +300,16 @@ def assemble(unit_files: list[Path], out: Path, tokenizer: Tokenizer, dtype: str
             in_val = docs[(1 - n_docs) % val_every :: val_every]
             val_docs, val_tokens = val_docs + len(in_val), val_tokens + int(in_val.sum())
         n_docs, n_tokens = n_docs + len(docs), n_tokens + int(docs.sum())
+    return n_docs, n_tokens, val_docs, val_tokens
+
+
+def assemble(unit_files: list[Path], out: Path, tokenizer: Tokenizer, dtype: str, val_fraction: float,
+             shard_tokens: int, inputs: list[str] | None) -> dict[str, dict]:
+    """Write out/{train,val} from the unit files in order; returns both indexes. Streams: one unit's document
+    lengths in memory at a time, tokens copied file to file."""
+    # Doc 1, then every k-th: val is non-empty as soon as there are two documents, and train gets doc 0.
+    val_every = round(1 / val_fraction) if val_fraction > 0 else 0
+    n_docs, n_tokens, val_docs, val_tokens = count_documents(unit_files, val_every)
     if not n_docs:
         raise UserError(f"the corpus {inputs} has no non-empty documents; check --input, --text-key, --column.")
     tail = 0  # val is the last `tail` tokens of the stream instead of whole documents
@@ -335,10 +342,9 @@ def assemble(unit_files: list[Path], out: Path, tokenizer: Tokenizer, dtype: str
                     train.copy(source, position, int(starts[i]) - position)
                     val.copy(source, int(starts[i]), int(docs[i]))
                     position = int(starts[i + 1])
-                    val.documents += 1
                 train.copy(source, position, size - position)
         first_doc, first_token = first_doc + len(docs), first_token + size
-    train.documents, val.documents = (n_docs, 1) if tail else (n_docs - val.documents, val.documents)
+    train.documents, val.documents = (n_docs, 1) if tail else (n_docs - val_docs, val_docs)
     if val_every and (val_size := tail or val_tokens) < MIN_VAL_TOKENS:
         print(f"warning: val is {val_size} tokens, fewer than the {MIN_VAL_TOKENS} (seq_len + 1) that train.py "
               f"validates with at its default seq_len {MIN_VAL_TOKENS - 1}; give it more with --val-fraction "
@@ -367,7 +373,8 @@ def main() -> None:
     parser.add_argument("--val-fraction", type=float, default=0.01)
     parser.add_argument("--shard-tokens", type=int, default=50_000_000)
     parser.add_argument("--dtype", choices=["uint16", "uint32"], default=None, help="default: by vocab size")
-    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizing processes (default: CPUs)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="tokenizing processes (default: the CPU count)")
     parser.add_argument("--chunk-mb", type=float, default=CHUNK_BYTES / 2**20,
                         help="MiB of a plain .jsonl (or of parquet row groups) per unit of work")
     parser.add_argument("--encoding", default="utf-8", help=".txt/.jsonl text encoding, e.g. latin-1")

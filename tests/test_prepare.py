@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import sysconfig
 import tracemalloc
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import zstandard
 
 import scripts.prepare_data as prepare_data
 from dsv3.config import UserError
-from dsv3.corpus import ReadOptions, plan_units, read_unit
+from dsv3.corpus import STDLIB_MAX_CHARS, ReadOptions, plan_units, read_unit, stdlib_units
 from dsv3.tokenizer import Tokenizer, find_tokenizer
 from scripts.prepare_data import prepare
 
@@ -218,6 +219,14 @@ def test_corrupt_compressed_file_names_file_and_offset_and_leaves_out_untouched(
     assert dataset_files(out) == before
 
 
+def test_lines_garbled_by_a_corrupt_stream_are_reported_as_the_corruption(tmp_path):
+    data = bytearray(gzip.compress(jsonl_bytes([f"x = {i}" for i in range(200)]) * 50, mtime=0))
+    data[len(data) // 2] ^= 0x5A  # decodes on for a while, as garbage: a bad JSON line before the CRC check
+    (tmp_path / "docs.jsonl.gz").write_bytes(data)
+    with pytest.raises(UserError, match=r"docs\.jsonl\.gz: gzip data ends mid-stream at compressed byte \d+"):
+        prepare([str(tmp_path / "docs.jsonl.gz")], TOKENIZER, str(tmp_path / "out"), progress=False)
+
+
 def test_bad_jsonl_line_in_a_compressed_file_or_a_later_chunk_names_its_line(tmp_path):
     lines = jsonl_bytes(DOCS).splitlines(keepends=True)
     lines[44] = b'{"text": "cut off\n'
@@ -283,3 +292,21 @@ def test_an_input_error_prints_on_its_own_line_after_the_progress_bar(tmp_path):
     assert result.returncode == 2
     assert "tokenizing" in result.stderr
     assert result.stderr.splitlines()[-1].startswith(f"error: {tmp_path / 'docs.jsonl'}:61: not valid JSON")
+
+
+def test_stdlib_units_hold_the_bundled_corpus_as_one_pass_read_it():
+    """The default corpus (whose shards must not change): sorted stdlib sources up to STDLIB_MAX_CHARS, empty
+    files kept, undecodable bytes replaced."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    expected, total = [], 0
+    sources = [p for top in root.iterdir() if top.name != "site-packages"  # installed packages, not the stdlib
+               for p in (top.rglob("*.py") if top.is_dir() else [top] if top.suffix == ".py" else [])]
+    for path in sorted(sources, key=lambda p: p.relative_to(root).as_posix()):
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        if total + len(text) > STDLIB_MAX_CHARS:
+            break
+        total += len(text)
+        expected.append(text)
+    units = stdlib_units()
+    assert len(units) > 1 and "" in expected
+    assert [doc for unit in units for doc in read_unit(unit, ReadOptions())] == expected
