@@ -18,8 +18,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import zstandard
 
 from dsv3.config import UserError
@@ -158,7 +156,10 @@ def read_stdlib_file(path: Path) -> str:
     return path.read_bytes().decode("utf-8", errors="replace")
 
 
-def open_parquet(path: Path, column: str) -> pq.ParquetFile:
+def open_parquet(path: Path, column: str) -> "pyarrow.parquet.ParquetFile":
+    import pyarrow as pa  # here: a quarter-second import that corpora without parquet files never need
+    import pyarrow.parquet as pq
+
     parquet = pq.ParquetFile(path)
     if column not in parquet.schema_arrow.names:
         raise UserError(
