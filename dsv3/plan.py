@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from functools import cached_property
 
 from dsv3.config import Config, ModelConfig, UserError
 from dsv3.metrics import attention_params, block_params, dense_and_expert_params, root_params
@@ -69,10 +70,13 @@ OVERHEAD_GIB = 0.5
 # moments) and torch's fused one (fp32 moments under FSDP2)
 OPTIMIZER_HBM_EFFICIENCY = {"dsv3": 0.77, "torch": 0.53}
 # elementwise ops, norms, copies, routing, permutation and the loss's softmax: the bytes of the activations the
-# blocks write (the no-AC saved set) and, under FSDP, of its per-micro-batch casts of the unsharded parameters and
-# gradients (fp32 → bf16 parameters, bf16 → fp32 gradients: 14 bytes each), at this share of HBM bandwidth
-# (fitted to the one-GPU profiles' other + routing + loss + idle time)
+# blocks write (the no-AC saved set) at this share of HBM bandwidth (fitted to the one-GPU profiles' other + routing +
+# loss + idle time)
 OTHER_HBM_EFFICIENCY = 0.15
+# FSDP2's per-micro-batch casts and copies of the parameters into its unsharded buffers and of the gradients out
+# (fp32 → bf16 parameters, bf16 → fp32 gradients: 14 bytes each) reach this share: measured, 22 ms of a 165 ms step
+# of the 16B cut (2.26B parameters) on one H100 when it still ran under FSDP2 (README, Performance)
+FSDP_CAST_HBM_EFFICIENCY = 0.43
 # routed tokens per rank vary around the balanced T·K: receive buffers and expert activations get headroom
 EP_HEADROOM = 1.25
 FIT_FRACTION = 0.95  # the plan must stay under this share of the GPU's memory
@@ -177,26 +181,33 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
 
     state_bytes = {"fp32": 4, "bf16": 2}[t.optimizer_state_dtype]
     add("parameters", f"fp32 parameters, sharded over {gpus}", 4 * total / gpus, *always)
-    add("optimizer states", f"AdamW's two moments in {t.optimizer_state_dtype}", 2 * state_bytes * total / gpus, *always)
+    add("optimizer states", f"AdamW's two moments in {t.optimizer_state_dtype}", 2 * state_bytes * total / gpus,
+        *always)
     add("overhead", "cuBLAS, cuDNN and compiled-kernel workspaces", OVERHEAD_GIB * GIB, *always)
 
     # bf16 compute weights: on one GPU, copies of every weight (dsv3.optim.ComputeCopies), kept across steps. Under
     # FSDP2, the root (embedding, head) unsharded from its forward to the end of its backward; a block unsharded from
-    # the previous block's forward (prefetch) through its own, and from the next block's backward through its own;
-    # experts on a one-rank FSDP mesh (ep = GPUs) are not resharded after forward.
+    # the previous block's forward (prefetch) through its own, and from the next block's backward through its own.
+    # Its routed experts are an FSDP unit of their own: at ep 1 gathered as early (the host runs ahead); under EP
+    # only when they run, the host having waited for the split sizes (parallel.apply_fsdp prefetches the blocks'
+    # own units); on a one-rank mesh (ep = GPUs) cast in forward and not resharded until their backward ends.
     if gpus == 1:
         add("bf16 compute weights", "bf16 copies of every weight", 2 * total, *always)
     for k in kinds if gpus > 1 else []:
         add("bf16 compute weights", "root, unsharded", 2 * root, tl.forward[k][0], tl.embedding[k])
         for b, (bd, be) in enumerate(blocks):
-            kept = be / ep if efsdp == 1 else 0.0
-            gathered_at = tl.forward[k][max(b - 1, 0)]
-            add("bf16 compute weights", f"{tl.name(b)}, unsharded for forward", 2 * (local[b] - kept),
-                gathered_at, tl.forward[k][b])
-            add("bf16 compute weights", f"{tl.name(b)}, unsharded for backward", 2 * (local[b] - kept),
+            ahead = bd + (be if ep == 1 else 0)
+            add("bf16 compute weights", f"{tl.name(b)}, unsharded for forward", 2 * ahead,
+                tl.forward[k][max(b - 1, 0)], tl.forward[k][b])
+            add("bf16 compute weights", f"{tl.name(b)}, unsharded for backward", 2 * ahead,
                 tl.backward[k][min(b + 1, n - 1)], tl.handed_on[k][b])
-            if kept:
-                add("bf16 compute weights", f"{tl.name(b)}, experts kept unsharded", 2 * kept, gathered_at,
+            if ep > 1 and efsdp > 1:
+                add("bf16 compute weights", f"{tl.name(b)}, experts unsharded for forward", 2 * be / ep,
+                    tl.forward[k][b], tl.forward[k][b])
+                add("bf16 compute weights", f"{tl.name(b)}, experts unsharded for backward", 2 * be / ep,
+                    tl.backward[k][b], tl.handed_on[k][b])
+            elif ep > 1:
+                add("bf16 compute weights", f"{tl.name(b)}, experts kept unsharded", 2 * be / ep, tl.forward[k][b],
                     tl.handed_on[k][b])
 
     # Gradients. Blocks run backward from the last; the root's head gradient arrives with the first (the chunked loss
@@ -204,8 +215,8 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
     def next_after(k: int, b: int) -> int:  # the phase after block b's hand-over
         return tl.backward[k][b - 1] if b else tl.embedding[k]
 
-    micro_batches = len(kinds)
-    if gpus == 1 and micro_batches == 1:  # bf16 gradients on the compute copies, read by the optimizer step
+    several = len(kinds) > 1  # micro-batches
+    if gpus == 1 and not several:  # bf16 gradients on the compute copies, read by the optimizer step
         for b in range(n):
             add("gradients", f"{tl.name(b)}: bf16 gradient", 2 * local[b], tl.backward[0][b], step)
         add("gradients", "root: bf16 gradient but the embedding's", 2 * (root - embedding), tl.backward[0][n - 1], step)
@@ -216,14 +227,16 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
             for k in kinds:
                 add("gradients", f"{tl.name(b)}: bf16 gradient until folded", 2 * local[b], tl.backward[k][b],
                     tl.backward[k][b])
-        add("gradients", "root: fp32 accumulator", 4 * root, tl.backward[0][n - 1], step)
+        add("gradients", "root: fp32 accumulators but the embedding's", 4 * (root - embedding), tl.backward[0][n - 1],
+            step)
+        add("gradients", "embedding: fp32 accumulator", 4 * embedding, tl.embedding[0], step)
         for k in kinds:
             add("gradients", "embedding: bf16 gradient until folded", 2 * embedding, tl.embedding[k], tl.embedding[k])
     else:
         # FSDP2: a block's unsharded bf16 gradient, then its fp32 reduce-scatter input, in flight through the next
         # block's backward (torch keeps one); the fp32 sharded gradients sum over micro-batches until the step. With
         # accumulate_unsharded_grads, every micro-batch but the last adds into fp32 unsharded gradients instead.
-        unsharded = p.accumulate_unsharded_grads and micro_batches > 1
+        unsharded = p.accumulate_unsharded_grads and several
         for b in range(n):
             for k in kinds:
                 add("gradients", f"{tl.name(b)}: unsharded bf16 gradient", 2 * local[b], tl.backward[k][b],
@@ -292,7 +305,7 @@ def _step_time(cfg: Config, gpus: int, kind: GPU, micro_batches: int) -> dict[st
     # per block: forward + backward seconds by kind of work, and the bytes FSDP2 moves for it
     items = {"dense GEMMs": [], "expert GEMMs": [], "attention": [], "elementwise, routing, loss": [],
              "AC recompute": []}
-    gathers, reduces = [], []
+    prefetched, gathered_late, reduces = [], [], []  # bytes per block
     for b in range(n):
         moe = b >= mc.n_dense_layers
         block_dense, block_experts = block_params(mc, moe)
@@ -304,28 +317,35 @@ def _step_time(cfg: Config, gpus: int, kind: GPU, micro_batches: int) -> dict[st
         expert_s = 6 * expert_matmul * T / (kind.grouped_tflops * 1e12) if moe else 0.0
         attention_s = attention_flops / (kind.attention_tflops * 1e12)
         activation_s = activation_bytes / (OTHER_HBM_EFFICIENCY * hbm)
-        casts_s = 14 * (block_dense + block_experts / ep) / (OTHER_HBM_EFFICIENCY * hbm) if gpus > 1 else 0.0
+        casts_s = 14 * (block_dense + block_experts / ep) / (FSDP_CAST_HBM_EFFICIENCY * hbm) if gpus > 1 else 0.0
         # recompute is a forward (a third of forward + backward) of what the mode drops: selective AC in a compiled
         # MoE block recomputes its dense GEMMs (parallel._selective_policy), full AC the whole block
         recompute = {"none": 0.0, "selective": ((dense_s if moe else 0.0) + activation_s) / 3,
                      "full": (dense_s + expert_s + attention_s + activation_s) / 3}[t.activation_checkpoint]
         for item, s in zip(items, (dense_s, expert_s, attention_s, activation_s + casts_s, recompute)):
             items[item].append(s)
-        dense_moved = block_dense * (gpus - 1) / gpus + block_experts / ep * (efsdp - 1) / efsdp
-        gathers.append(2 * dense_moved)  # bf16 all-gather
-        reduces.append(4 * dense_moved)  # fp32 reduce-scatter
+        # elements a GPU receives in the ring all-gather (bf16) and sends in the reduce-scatter (fp32)
+        dense_moved = block_dense * (gpus - 1) / gpus
+        experts_moved = block_experts / ep * (efsdp - 1) / efsdp
+        if ep == 1:
+            dense_moved, experts_moved = dense_moved + experts_moved, 0.0
+        prefetched.append(2 * dense_moved)
+        gathered_late.append(2 * experts_moved)
+        reduces.append(4 * (dense_moved + experts_moved))
     compute = [sum(s[b] for s in items.values()) for b in range(n)]
     forward = [(c - r) / 3 for c, r in zip(compute, items["AC recompute"])]
     backward = [c - f for c, f in zip(compute, forward)]
     # the output head's GEMMs (main and each MTP depth), the loss's softmax over the vocabulary, the root's casts
     heads = 1 + mc.n_mtp_layers
     loss_s = (6 * heads * d * mc.vocab_size * T / (kind.dense_tflops * 1e12)
-              + (2 * T * heads * mc.vocab_size + (14 * root if gpus > 1 else 0)) / (OTHER_HBM_EFFICIENCY * hbm))
+              + 2 * T * heads * mc.vocab_size / (OTHER_HBM_EFFICIENCY * hbm)
+              + (14 * root / (FSDP_CAST_HBM_EFFICIENCY * hbm) if gpus > 1 else 0.0))
 
     # FSDP2 per micro-batch: the root's and block 0's all-gathers open the forward, exposed; block b+1's all-gather
     # runs behind block b's forward. The first backward block is gathered again, exposed; then block b−1's
     # all-gather and block b+1's reduce-scatter run behind block b's backward; block 0's and the root's
-    # reduce-scatters close it, exposed. A micro-batch that does not reduce (accumulate_unsharded_grads) moves none.
+    # reduce-scatters close it, exposed. Experts gathered only when they run (EP, see _memory_table) are exposed. A
+    # micro-batch that does not reduce (accumulate_unsharded_grads) moves no reduce-scatter.
     link = (kind.nvlink_gb_s if gpus <= kind.gpus_per_node else INFINIBAND_GB_S) * 1e9 * COLLECTIVE_EFFICIENCY
     root_moved = root * (gpus - 1) / gpus
 
@@ -333,9 +353,9 @@ def _step_time(cfg: Config, gpus: int, kind: GPU, micro_batches: int) -> dict[st
         if gpus == 1:
             return 0.0
         rs = reduces if reduce else [0.0] * n
-        exposed = (2 * root_moved + gathers[0]) / link + gathers[-1] / link
-        exposed += sum(max(0.0, gathers[b + 1] / link - forward[b]) for b in range(n - 1))
-        exposed += sum(max(0.0, ((gathers[b - 1] if b else 0.0) + (rs[b + 1] if b + 1 < n else 0.0)) / link
+        exposed = (2 * root_moved + prefetched[0] + prefetched[-1] + 2 * sum(gathered_late)) / link
+        exposed += sum(max(0.0, prefetched[b + 1] / link - forward[b]) for b in range(n - 1))
+        exposed += sum(max(0.0, ((prefetched[b - 1] if b else 0.0) + (rs[b + 1] if b + 1 < n else 0.0)) / link
                            - backward[b]) for b in range(n))
         return exposed + (rs[0] + (4 * root_moved if reduce else 0.0)) / link
 
@@ -383,19 +403,11 @@ class Plan:
     def alive(self, phase: int) -> list[Tensor]:
         return [x for x in self.tensors if x.first <= phase <= x.last]
 
-    @property
+    @cached_property
     def peak_phase(self) -> int:
         """The phase at which the most bytes are alive (the first, of equals)."""
-        change = [0.0] * (len(self.phases) + 1)
-        for x in self.tensors:
-            change[x.first] += x.bytes
-            change[x.last + 1] -= x.bytes
-        alive, best, best_bytes = 0.0, 0, float("-inf")
-        for phase, delta in enumerate(change[:-1]):
-            alive += delta
-            if alive > best_bytes:
-                best, best_bytes = phase, alive
-        return best
+        totals = [sum(x.bytes for x in self.alive(phase)) for phase in range(len(self.phases))]
+        return totals.index(max(totals))
 
     @property
     def memory(self) -> dict[str, float]:

@@ -160,15 +160,26 @@ def test_a_block_gathers_its_experts_split_ep_ways():
         mc = cfg.model_config()
         dense, experts = block_params(mc, moe=True)
         gathered = _alive_gib(plan(cfg, 8, "h100"), "micro-batch 1, forward of block 5", "bf16 compute weights",
-                              "block 5, unsharded")
+                              "block 5,")
         assert gathered == pytest.approx(2 * (dense + experts / ep) / GIB, rel=1e-9)
+
+
+def _lifetimes(planned, name: str) -> list[tuple[str, str]]:
+    return [(planned.phases[x.first], planned.phases[x.last]) for x in planned.tensors if x.name == name]
+
+
+def test_under_ep_experts_are_gathered_only_when_they_run():
+    planned = plan(load_config("configs/16b.toml", ["--parallel.ep=2"]), 8, "h100")
+    assert _lifetimes(planned, "block 5, unsharded for forward")[0] == (  # prefetched with the previous block
+        "micro-batch 1, forward of block 4", "micro-batch 1, forward of block 5")
+    assert _lifetimes(planned, "block 5, experts unsharded for forward")[0] == (
+        "micro-batch 1, forward of block 5", "micro-batch 1, forward of block 5")
 
 
 def test_experts_on_a_one_rank_fsdp_mesh_stay_unsharded_from_forward_to_backward():
     planned = plan(load_config("configs/16b.toml", ["--parallel.ep=8"]), 8, "h100")
-    kept = [x for x in planned.tensors if x.name == "block 5, experts kept unsharded"]
-    assert [(planned.phases[x.first], planned.phases[x.last]) for x in kept][0] == (
-        "micro-batch 1, forward of block 4", "micro-batch 1, gradients of block 5 handed on")
+    assert _lifetimes(planned, "block 5, experts kept unsharded")[0] == (
+        "micro-batch 1, forward of block 5", "micro-batch 1, gradients of block 5 handed on")
 
 
 def test_accumulating_unsharded_grads_holds_every_gradient_unsharded():
