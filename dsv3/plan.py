@@ -41,16 +41,19 @@ class GPU:
 
 _B200_OVER_H100 = 2250 / 989  # dense bf16 without sparsity, HGX B200 and H100 SXM datasheets
 GPUS: dict[str, GPU] = {
-    "h100": GPU(79.1, 750, 650, 346, 3.35, 450,
-                "rates measured (README, Performance: scripts/bench.py's phase split of the 16B cut on one H100); "
-                "HBM 3.35 TB/s and NVLink 900 GB/s both ways from the H100 SXM datasheet"),
-    "h200": GPU(139.0, 763, 721, 375, 4.8, 450,
-                "rates measured (scripts/bench.py's phase split of configs/671b_3layer.toml on one H200, README "
-                "Performance); HBM 4.8 TB/s and NVLink 900 GB/s both ways from the H200 datasheet"),
-    "b200": GPU(178.0, 763 * _B200_OVER_H100, 721 * _B200_OVER_H100, 375 * _B200_OVER_H100, 8.0, 900,
-                "NOT measured: the H200 rates × 2250/989 (datasheet dense bf16 over H100's: Hopper's efficiency "
-                "assumed on Blackwell); HBM 8 TB/s and NVLink 5 1.8 TB/s both ways from the HGX B200 datasheet; "
-                "178 of its 180 GB assumed visible to torch"),
+    "h100": GPU(memory_gib=79.1, dense_tflops=750, grouped_tflops=650, attention_tflops=346, hbm_tb_s=3.35,
+                nvlink_gb_s=450,
+                source="rates measured (README, Performance: scripts/bench.py's phase split of the 16B cut on one "
+                       "H100); HBM 3.35 TB/s and NVLink 900 GB/s both ways from the H100 SXM datasheet"),
+    "h200": GPU(memory_gib=139.0, dense_tflops=763, grouped_tflops=721, attention_tflops=375, hbm_tb_s=4.8,
+                nvlink_gb_s=450,
+                source="rates measured (scripts/bench.py's phase split of configs/671b_3layer.toml on one H200, "
+                       "README Performance); HBM 4.8 TB/s and NVLink 900 GB/s both ways from the H200 datasheet"),
+    "b200": GPU(memory_gib=178.0, dense_tflops=763 * _B200_OVER_H100, grouped_tflops=721 * _B200_OVER_H100,
+                attention_tflops=375 * _B200_OVER_H100, hbm_tb_s=8.0, nvlink_gb_s=900,
+                source="NOT measured: the H200 rates × 2250/989 (datasheet dense bf16 over H100's: Hopper's "
+                       "efficiency assumed on Blackwell); HBM 8 TB/s and NVLink 5 1.8 TB/s both ways from the HGX "
+                       "B200 datasheet; 178 of its 180 GB assumed visible to torch"),
 }
 # one 400 Gb/s NIC (ConnectX-7) per GPU in DGX/HGX H100 and B200 nodes: 50 GB/s per direction
 INFINIBAND_GB_S = 50.0
@@ -474,7 +477,10 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
         f"GB/s per GPU across nodes (one 400 Gb/s NIC per GPU); FSDP's collectives over {link} at "
         f"{COLLECTIVE_EFFICIENCY:.0%} of it (assumed), our all-to-all at {ALL_TO_ALL_EFFICIENCY:.0%} (measured)",
         "FSDP: a block's all-gather hides behind the previous block's compute, its reduce-scatter behind the next "
-        "block's backward, or is exposed; EP's all-to-all is never hidden (it waits for its split sizes)",
+        "block's backward, or is exposed; under EP the experts' all-gathers are exposed (not prefetched); EP's "
+        "all-to-all is never hidden (it waits for its split sizes)",
+        "one GPU, several micro-batches: each bf16 gradient is folded into an fp32 accumulator as soon as autograd "
+        "writes it",
         f"EP receive buffers: a balanced router's T·K copies × {EP_HEADROOM} headroom",
         "bf16 GEMMs and the all_to_all dispatcher: fp8/mxfp8 and DeepEP, both faster, are not modelled",
     ]
@@ -488,7 +494,7 @@ def gpu_kind(device_name: str) -> str:
     return next((kind for kind in ("b200", "h200", "h100") if kind in name), "h100")
 
 
-def fixes(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) -> list[tuple[str, Plan]]:
+def _fixes(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) -> list[tuple[str, Plan]]:
     """Single changes that make the plan fit, cheapest first: AC mode, then ep, then a smaller micro-batch."""
     t, p = cfg.train, cfg.parallel
     n_experts = cfg.model_config().n_routed_experts
@@ -511,7 +517,7 @@ def fixes(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) -
 
 def advice(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) -> str:
     """What to set when the plan cannot fit: up to three single changes that do, with their plans' memory."""
-    found = fixes(cfg, gpus, gpu, capacity_gib)
+    found = _fixes(cfg, gpus, gpu, capacity_gib)
     if not found:
         return "no single change of AC mode, ep or micro-batch fits: use more GPUs"
     return "set " + "; or ".join(f"{flag} (plan: {fix.memory_gib_per_gpu:.1f} GiB)" for flag, fix in found[:3])
