@@ -126,7 +126,7 @@ def test_one_gpu_folds_each_bf16_gradient_into_fp32_accumulators_at_once():
     assert _alive_gib(one, "optimizer step", "gradients") == pytest.approx(2 * total / GIB, rel=1e-9)  # bf16, kept
 
 
-def test_beyond_two_micro_batches_the_global_batch_does_not_change_the_peak():
+def test_from_two_micro_batches_per_gpu_on_the_global_batch_no_longer_changes_the_peak():
     ramp = ["--train.seq_len=8192", "--model.max_seq_len=8192", "--train.micro_batch=4", "--train.batch_ramp_start=512"]
     peaks = [plan(load_config("configs/671b.toml", ramp + [f"--train.global_batch={batch}"]), 256, "b200")
              .memory_gib_per_gpu for batch in (1024, 2048, 15360)]  # 1, 2 and 15 micro-batches
