@@ -1,71 +1,85 @@
-"""The run planner: per-GPU memory, itemised, and step time / tokens per second per GPU, from a Config, a GPU
-count and a GPU kind, before anything is built. train.py checks the plan at start-up; scripts/plan.py prints it.
+"""The run planner: per-GPU memory and step time from a Config, a GPU count and a GPU kind, before anything is
+built. train.py checks the plan at start-up; scripts/plan.py prints it.
 
-Memory follows what the trainer holds (bf16 compute over fp32 master weights, AdamW): sharded fp32 parameters
-and gradients, two moments, the bf16 compute weights (FSDP2's unsharded buffers; on one GPU, without FSDP, bf16
-copies of every weight, whose gradients stay bf16 unless micro-batches add up), the tensors each block saves for backward
-by activation-checkpointing mode, the chunked loss, EP's receive buffers. The peak is taken over a sweep of the
-backward pass: activations are freed block by block while sharded gradients appear.
-Step time: FLOPs at measured kernel rates, memory-bound work over HBM bandwidth, and the exposed part of FSDP's
-and EP's communication over stated link bandwidths. Every constant below is an assumption, said where it is set.
+Memory is a table of what the trainer keeps alive, derived from the config: each `Tensor` has its bytes per GPU and
+the phases of the step it lives through (each micro-batch's forward and backward block by block, its losses, the
+optimizer step; with several micro-batches the first one and every later one, which carries the gradients of the
+earlier ones, are phases of their own). The peak is the largest sum over the phases, so an allocation is either in
+the table with its lifetime or visibly missing from it.
+
+Step time: FLOPs at measured kernel rates, memory-bound work over HBM bandwidth, EP's all-to-all (never hidden: it
+waits for its split sizes), and FSDP2's collectives where compute cannot hide them: a block's all-gather runs
+behind the previous block's compute, a block's reduce-scatter behind the next block's backward, micro-batch by
+micro-batch. Rates and link speeds are data with their sources (`GPUS`, `INFINIBAND_GB_S`).
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from functools import cached_property
 
 from dsv3.config import Config, ModelConfig, UserError
-from dsv3.metrics import active_matmul_params, block_params, dense_and_expert_params, root_params
+from dsv3.metrics import attention_params, block_params, dense_and_expert_params, root_params
 
 GIB = 2**30
 
 
 @dataclass(frozen=True)
 class GPU:
-    """One GPU kind: the memory torch can allocate, and the rates the trainer achieves on it."""
+    """One GPU kind: the memory torch can allocate, the rates the trainer achieves on it, and where they come from."""
 
     memory_gib: float  # torch.cuda.get_device_properties().total_memory
     dense_tflops: float  # bf16 nn.Linear GEMMs, achieved
     grouped_tflops: float  # bf16 torch._grouped_mm (routed experts), achieved
     attention_tflops: float  # cuDNN SDPA, causal, counted as in metrics.flops_per_token
-    hbm_tb_s: float  # datasheet HBM bandwidth
-    nvlink_gb_s: float  # achievable per direction per GPU within a node
+    hbm_tb_s: float
+    nvlink_gb_s: float  # per direction per GPU, within a node
+    source: str
     gpus_per_node: int = 8
 
 
-# H100 rates: measured in our 16B-cut profile (one H100, 4 × 4096). H200: the same chips, measured in the
-# 671B-width-cut profile (one H200, 2 × 4096). B200: no measurement: the datasheet's 2.25 PFLOP/s dense bf16
-# scaled by the efficiency measured on Hopper (÷ 989 TFLOP/s), HBM 8 TB/s, NVLink 5, and of its 180 GB an
-# assumed 178 GiB visible to torch. Memory: what torch reports as total (80 GB H100: 79.1 GiB; H200: 139).
-_B200_SCALE = 2250 / 989
+_B200_OVER_H100 = 2250 / 989  # dense bf16 without sparsity, HGX B200 and H100 SXM datasheets
 GPUS: dict[str, GPU] = {
     "h100": GPU(memory_gib=79.1, dense_tflops=750, grouped_tflops=650, attention_tflops=346, hbm_tb_s=3.35,
-                nvlink_gb_s=450),
+                nvlink_gb_s=450,
+                source="rates measured (README, Performance: scripts/bench.py's phase split of the 16B cut on one "
+                       "H100); HBM 3.35 TB/s and NVLink 900 GB/s both ways from the H100 SXM datasheet"),
     "h200": GPU(memory_gib=139.0, dense_tflops=763, grouped_tflops=721, attention_tflops=375, hbm_tb_s=4.8,
-                nvlink_gb_s=450),
-    "b200": GPU(memory_gib=178.0, dense_tflops=763 * _B200_SCALE, grouped_tflops=721 * _B200_SCALE,
-                attention_tflops=375 * _B200_SCALE, hbm_tb_s=8.0, nvlink_gb_s=900),
+                nvlink_gb_s=450,
+                source="rates measured (scripts/bench.py's phase split of configs/671b_3layer.toml on one H200, "
+                       "README Performance); HBM 4.8 TB/s and NVLink 900 GB/s both ways from the H200 datasheet"),
+    "b200": GPU(memory_gib=178.0, dense_tflops=763 * _B200_OVER_H100, grouped_tflops=721 * _B200_OVER_H100,
+                attention_tflops=375 * _B200_OVER_H100, hbm_tb_s=8.0, nvlink_gb_s=900,
+                source="NOT measured: the H200 rates × 2250/989 (datasheet dense bf16 over H100's: Hopper's "
+                       "efficiency assumed on Blackwell); HBM 8 TB/s and NVLink 5 1.8 TB/s both ways from the HGX "
+                       "B200 datasheet; 178 of its 180 GB assumed visible to torch"),
 }
-INFINIBAND_GB_S = 40.0  # 400 Gb/s per GPU, ~40 GB/s achievable
-# Calibrated against our five measured peaks (tests/test_plan.py pins them), one factor per term family:
-# the saved-tensor count below is what eager autograd keeps; torch.compile keeps fewer (it recomputes cheap
-# elementwise ops) while the caching allocator rounds and fragments: one factor absorbs both.
+# one 400 Gb/s NIC (ConnectX-7) per GPU in DGX/HGX H100 and B200 nodes: 50 GB/s per direction
+INFINIBAND_GB_S = 50.0
+# assumed, not measured here: the share of a link's rate NCCL's ring all-gather and reduce-scatter reach
+COLLECTIVE_EFFICIENCY = 0.8
+# measured: our all_to_all reaches this share of the link rate (README, DeepEP: one 16B layer's four exchanges, 6.09
+# ms on 2 H200s)
+ALL_TO_ALL_EFFICIENCY = 0.29
+# Calibrated against the measured peaks (tests/test_plan.py pins them): the saved-tensor count below is what eager
+# autograd keeps; torch.compile keeps fewer (it recomputes cheap elementwise ops) while the caching allocator rounds
+# and fragments: one factor absorbs both.
 ACTIVATION_FACTOR = 0.75
 # cuBLAS/cuDNN and compiled-kernel workspaces. The CUDA context is not in max_memory_allocated, nor in this plan:
 # FIT_FRACTION leaves room for it and for the allocator's reserved-but-free blocks.
 OVERHEAD_GIB = 0.5
-# AdamW streams each state once: achieved fraction of HBM bandwidth, dsv3.optim's compiled update (one GPU, or
-# bf16 moments) and torch's fused one (fp32 moments under FSDP2)
+# AdamW streams each state once: achieved share of HBM bandwidth, dsv3.optim's compiled update (one GPU, or bf16
+# moments) and torch's fused one (fp32 moments under FSDP2)
 OPTIMIZER_HBM_EFFICIENCY = {"dsv3": 0.77, "torch": 0.53}
 # elementwise ops, norms, copies, routing, permutation and the loss's softmax: the bytes of the activations the
-# blocks write (the no-AC saved set) and, under FSDP, of its per-micro-batch casts of the unsharded parameters and
-# gradients (fp32 → bf16 parameters, bf16 → fp32 gradients: 14 bytes each), at this fraction of HBM bandwidth
-# (fitted to the one-GPU profiles' other + routing + loss + idle time)
+# blocks write (the no-AC saved set) at this share of HBM bandwidth (fitted to the one-GPU profiles' other + routing +
+# loss + idle time)
 OTHER_HBM_EFFICIENCY = 0.15
-# our all_to_all reaches this fraction of the link bandwidth (one 16B MoE layer's four exchanges: 6.1 ms on
-# 2 H200s); it blocks on the split sizes, so it is never overlapped with compute
-ALL_TO_ALL_EFFICIENCY = 0.29
+# FSDP2's per-micro-batch casts and copies of the parameters into its unsharded buffers and of the gradients out
+# (fp32 → bf16 parameters, bf16 → fp32 gradients: 14 bytes each) reach this share: measured, 22 ms of a 165 ms step
+# of the 16B cut (2.26B parameters) on one H100 when it still ran under FSDP2 (README, Performance)
+FSDP_CAST_HBM_EFFICIENCY = 0.43
 # routed tokens per rank vary around the balanced T·K: receive buffers and expert activations get headroom
 EP_HEADROOM = 1.25
 FIT_FRACTION = 0.95  # the plan must stay under this share of the GPU's memory
@@ -98,17 +112,314 @@ def _saved_per_token(mc: ModelConfig, moe: bool, ep: int) -> dict[str, float]:
             "selective": d + sdpa_out + copies * (2 * I + d + exchange), "full": d}
 
 
+@dataclass(frozen=True)
+class Tensor:
+    """An allocation the trainer holds: `bytes` per GPU, alive from phase `first` through phase `last` (indices into
+    Plan.phases); `line` is the memory line it counts in."""
+
+    line: str
+    name: str
+    bytes: float
+    first: int
+    last: int
+
+
+class _Timeline:
+    """The phases of one optimizer step, in order, and where each block's forward and backward fall in it.
+
+    Per micro-batch: the forward of blocks 0..L-1, the main loss, then each MTP depth's block and loss; the backward
+    from the last block to the first, each block's followed by its gradients' hand-over (FSDP2's reduce-scatter
+    copy-in, or the fold into fp32 accumulators); the embedding's backward, which ends it. Then the optimizer step.
+    Micro-batches after the first hold the same tensors as each other: one set of phases stands for them all."""
+
+    def __init__(self, n_layers: int, n_mtp: int, micro_batches: int):
+        self.n_layers, self.n_blocks = n_layers, n_layers + n_mtp
+        kinds = ["micro-batch 1"]
+        if micro_batches > 1:
+            kinds.append("micro-batch 2" if micro_batches == 2 else f"micro-batches 2-{micro_batches}")
+        self.phases: list[str] = []
+        self.forward, self.loss, self.backward, self.handed_on, self.embedding = [], [], [], [], []
+        for kind in kinds:
+            forward, loss, backward, handed_on = {}, {}, {}, {}
+            for b in range(n_layers):
+                forward[b] = self._add(f"{kind}, forward of {self.name(b)}")
+            loss[0] = self._add(f"{kind}, main loss")
+            for k in range(1, n_mtp + 1):
+                forward[n_layers + k - 1] = self._add(f"{kind}, forward of {self.name(n_layers + k - 1)}")
+                loss[k] = self._add(f"{kind}, MTP loss {k}")
+            for b in reversed(range(self.n_blocks)):
+                backward[b] = self._add(f"{kind}, backward of {self.name(b)}")
+                handed_on[b] = self._add(f"{kind}, gradients of {self.name(b)} handed on")
+            self.forward.append(forward)
+            self.loss.append(loss)
+            self.backward.append(backward)
+            self.handed_on.append(handed_on)
+            self.embedding.append(self._add(f"{kind}, backward of the embedding"))
+        self.step = self._add("optimizer step")
+
+    def _add(self, phase: str) -> int:
+        self.phases.append(phase)
+        return len(self.phases) - 1
+
+    def name(self, b: int) -> str:
+        return f"block {b}" if b < self.n_layers else f"MTP block {b - self.n_layers + 1}"
+
+
+def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
+    """Everything the trainer keeps alive on one GPU, with its lifetime (see the module docstring)."""
+    mc, t, p = cfg.model_config(), cfg.train, cfg.parallel
+    ep, efsdp, kinds = p.ep, gpus // p.ep, range(len(tl.forward))
+    T, d, V, n = t.micro_batch * t.seq_len, mc.dim, mc.vocab_size, tl.n_blocks
+    dense, experts = dense_and_expert_params(mc)
+    total, root, embedding = dense + experts, root_params(mc), V * mc.dim
+    blocks = [block_params(mc, b >= mc.n_dense_layers) for b in range(n)]  # (dense, routed experts); MTP: MoE
+    local = [bd + be / ep for bd, be in blocks]  # the parameters a GPU computes with
+    always, step = (0, tl.step), tl.step
+    later = kinds[-1]  # the last micro-batch's phases (the first one's, with one micro-batch)
+    table: list[Tensor] = []
+
+    def add(line: str, name: str, nbytes: float, first: int, last: int) -> None:
+        if nbytes:
+            table.append(Tensor(line, name, nbytes, first, last))
+
+    state_bytes = {"fp32": 4, "bf16": 2}[t.optimizer_state_dtype]
+    add("parameters", f"fp32 parameters, sharded over {gpus}", 4 * total / gpus, *always)
+    add("optimizer states", f"AdamW's two moments in {t.optimizer_state_dtype}", 2 * state_bytes * total / gpus,
+        *always)
+    add("overhead", "cuBLAS, cuDNN and compiled-kernel workspaces", OVERHEAD_GIB * GIB, *always)
+
+    # bf16 compute weights: on one GPU, copies of every weight (dsv3.optim.ComputeCopies), kept across steps. Under
+    # FSDP2, the root (embedding, head) unsharded from its forward to the end of its backward; a block unsharded from
+    # the previous block's forward (prefetch) through its own, and from the next block's backward through its own.
+    # Its routed experts are an FSDP unit of their own: at ep 1 gathered as early (the host runs ahead); under EP
+    # only when they run, the host having waited for the split sizes (parallel.apply_fsdp prefetches the blocks'
+    # own units); on a one-rank mesh (ep = GPUs) cast in forward and not resharded until their backward ends.
+    if gpus == 1:
+        add("bf16 compute weights", "bf16 copies of every weight", 2 * total, *always)
+    for k in kinds if gpus > 1 else []:
+        add("bf16 compute weights", "root, unsharded", 2 * root, tl.forward[k][0], tl.embedding[k])
+        for b, (bd, be) in enumerate(blocks):
+            ahead = bd + (be if ep == 1 else 0)
+            add("bf16 compute weights", f"{tl.name(b)}, unsharded for forward", 2 * ahead,
+                tl.forward[k][max(b - 1, 0)], tl.forward[k][b])
+            add("bf16 compute weights", f"{tl.name(b)}, unsharded for backward", 2 * ahead,
+                tl.backward[k][min(b + 1, n - 1)], tl.handed_on[k][b])
+            if ep > 1 and efsdp > 1:
+                add("bf16 compute weights", f"{tl.name(b)}, experts unsharded for forward", 2 * be / ep,
+                    tl.forward[k][b], tl.forward[k][b])
+                add("bf16 compute weights", f"{tl.name(b)}, experts unsharded for backward", 2 * be / ep,
+                    tl.backward[k][b], tl.handed_on[k][b])
+            elif ep > 1:
+                add("bf16 compute weights", f"{tl.name(b)}, experts kept unsharded", 2 * be / ep, tl.forward[k][b],
+                    tl.handed_on[k][b])
+
+    # Gradients. Blocks run backward from the last; the root's head gradient arrives with the first (the chunked loss
+    # computed it in forward), its embedding gradient at the end.
+    def next_after(k: int, b: int) -> int:  # the phase after block b's hand-over
+        return tl.backward[k][b - 1] if b else tl.embedding[k]
+
+    several = len(kinds) > 1  # micro-batches
+    if gpus == 1 and not several:  # bf16 gradients on the compute copies, read by the optimizer step
+        for b in range(n):
+            add("gradients", f"{tl.name(b)}: bf16 gradient", 2 * local[b], tl.backward[0][b], step)
+        add("gradients", "root: bf16 gradient but the embedding's", 2 * (root - embedding), tl.backward[0][n - 1], step)
+        add("gradients", "embedding: bf16 gradient", 2 * embedding, tl.embedding[0], step)
+    elif gpus == 1:  # each bf16 gradient is folded into fp32 accumulators (p.grad) as soon as autograd writes it
+        for b in range(n):
+            add("gradients", f"{tl.name(b)}: fp32 accumulator", 4 * local[b], tl.backward[0][b], step)
+            for k in kinds:
+                add("gradients", f"{tl.name(b)}: bf16 gradient until folded", 2 * local[b], tl.backward[k][b],
+                    tl.backward[k][b])
+        add("gradients", "root: fp32 accumulators but the embedding's", 4 * (root - embedding), tl.backward[0][n - 1],
+            step)
+        add("gradients", "embedding: fp32 accumulator", 4 * embedding, tl.embedding[0], step)
+        for k in kinds:
+            add("gradients", "embedding: bf16 gradient until folded", 2 * embedding, tl.embedding[k], tl.embedding[k])
+    else:
+        # FSDP2: a block's unsharded bf16 gradient, then its fp32 reduce-scatter input, in flight through the next
+        # block's backward (torch keeps one); the fp32 sharded gradients sum over micro-batches until the step. With
+        # accumulate_unsharded_grads, every micro-batch but the last adds into fp32 unsharded gradients instead.
+        unsharded = p.accumulate_unsharded_grads and several
+        for b in range(n):
+            for k in kinds:
+                add("gradients", f"{tl.name(b)}: unsharded bf16 gradient", 2 * local[b], tl.backward[k][b],
+                    tl.handed_on[k][b])
+                if k == later or not unsharded:
+                    add("gradients", f"{tl.name(b)}: fp32 reduce-scatter input", 4 * local[b], tl.handed_on[k][b],
+                        next_after(k, b))
+            reduced_at = tl.handed_on[later if unsharded else 0][b]
+            if unsharded:
+                add("gradients", f"{tl.name(b)}: fp32 unsharded accumulator", 4 * local[b], tl.handed_on[0][b],
+                    reduced_at)
+            add("gradients", f"{tl.name(b)}: fp32 sharded gradient", 4 * sum(blocks[b]) / gpus, reduced_at, step)
+        for k in kinds:
+            add("gradients", "root: unsharded bf16 gradient but the embedding's", 2 * (root - embedding),
+                tl.backward[k][n - 1], tl.embedding[k])
+            add("gradients", "embedding: unsharded bf16 gradient", 2 * embedding, tl.embedding[k], tl.embedding[k])
+            if k == later or not unsharded:
+                add("gradients", "root: fp32 reduce-scatter input", 4 * root, tl.embedding[k], tl.embedding[k])
+        if unsharded:
+            add("gradients", "root: fp32 unsharded accumulator", 4 * root, tl.embedding[0], tl.embedding[later])
+        add("gradients", "root: fp32 sharded gradient", 4 * root / gpus, tl.embedding[later if unsharded else 0], step)
+
+    # Activations: what each block saves for backward by AC mode, from its forward to its backward; under AC, its
+    # recompute restores the whole no-AC set in its own backward. EP's received token copies on a line of their own.
+    mode = t.activation_checkpoint
+    for b in range(n):
+        moe = b >= mc.n_dense_layers
+        saved, saved_local = _saved_per_token(mc, moe, ep), _saved_per_token(mc, moe, 1)
+        kept, kept_local = (ACTIVATION_FACTOR * 2 * T * s[mode] for s in (saved, saved_local))
+        recomputed = ACTIVATION_FACTOR * 2 * T * saved["none"] - kept
+        line = "activations" if b < tl.n_layers else "mtp"
+        for k in kinds:
+            first, last = tl.forward[k][b], tl.backward[k][b]
+            add(line, f"{tl.name(b)}: saved for backward ({mode} AC)", kept_local, first, last)
+            add("ep receive buffers", f"{tl.name(b)}: received token copies", kept - kept_local, first, last)
+            if mode != "none":
+                add(line, f"{tl.name(b)}: recomputed in backward", recomputed, last, last)
+
+    # The chunked loss (dsv3.model.linear_cross_entropy): in its forward one chunk's bf16 logits and their gradient
+    # and the head gradient accumulating in fp32; kept for backward its [T, D] input gradient and bf16 head gradient,
+    # until autograd reaches it (the MTP losses first, then the main one).
+    for k in kinds:
+        for depth in range(mc.n_mtp_layers + 1):
+            line = "mtp" if depth else "loss (chunked)"
+            reached = tl.backward[k][tl.n_layers - 1 + depth]
+            add(line, f"loss {depth}: chunk logits and fp32 head gradient",
+                2 * 2 * LOSS_CHUNK * V + 4 * V * d, tl.loss[k][depth], tl.loss[k][depth])
+            add(line, f"loss {depth}: input and head gradients for backward", 2 * T * d + 2 * V * d,
+                tl.loss[k][depth], reached)
+    return table
+
+
+def _step_time(cfg: Config, gpus: int, kind: GPU, micro_batches: int) -> dict[str, float]:
+    """Seconds per optimizer step, itemised: compute per block, the optimizer, EP's exchanges, and what of FSDP2's
+    collectives the neighbouring block's compute cannot hide."""
+    mc, t, p = cfg.model_config(), cfg.train, cfg.parallel
+    ep, efsdp = p.ep, gpus // p.ep
+    T, d, n = t.micro_batch * t.seq_len, mc.dim, mc.n_layers + mc.n_mtp_layers
+    dense, experts = dense_and_expert_params(mc)
+    root = root_params(mc)
+    hbm = kind.hbm_tb_s * 1e12
+    attention_matmul = attention_params(mc) - mc.q_lora_rank - mc.kv_lora_rank  # less the latent norms' scales
+    expert_matmul = mc.n_activated_experts * 3 * d * mc.moe_inter_dim
+    attention_flops = 3 * mc.n_heads * (mc.qk_head_dim + mc.v_head_dim) * t.seq_len * T  # forward + backward
+
+    # per block: forward + backward seconds by kind of work, and the bytes FSDP2 moves for it
+    items = {"dense GEMMs": [], "expert GEMMs": [], "attention": [], "elementwise, routing, loss": [],
+             "AC recompute": []}
+    prefetched, gathered_late, reduces = [], [], []  # bytes per block
+    for b in range(n):
+        moe = b >= mc.n_dense_layers
+        block_dense, block_experts = block_params(mc, moe)
+        matmul = attention_matmul + (block_dense - 2 * d - attention_params(mc) if moe else 3 * d * mc.inter_dim)
+        if b >= mc.n_layers:
+            matmul += 2 * d * d  # the MTP depth's eh_proj
+        activation_bytes = 2 * T * _saved_per_token(mc, moe, ep)["none"]
+        dense_s = 6 * matmul * T / (kind.dense_tflops * 1e12)
+        expert_s = 6 * expert_matmul * T / (kind.grouped_tflops * 1e12) if moe else 0.0
+        attention_s = attention_flops / (kind.attention_tflops * 1e12)
+        activation_s = activation_bytes / (OTHER_HBM_EFFICIENCY * hbm)
+        casts_s = 14 * (block_dense + block_experts / ep) / (FSDP_CAST_HBM_EFFICIENCY * hbm) if gpus > 1 else 0.0
+        # recompute is a forward (a third of forward + backward) of what the mode drops: selective AC in a compiled
+        # MoE block recomputes its dense GEMMs (parallel._selective_policy), full AC the whole block
+        recompute = {"none": 0.0, "selective": ((dense_s if moe else 0.0) + activation_s) / 3,
+                     "full": (dense_s + expert_s + attention_s + activation_s) / 3}[t.activation_checkpoint]
+        for item, s in zip(items, (dense_s, expert_s, attention_s, activation_s + casts_s, recompute)):
+            items[item].append(s)
+        # elements a GPU receives in the ring all-gather (bf16) and sends in the reduce-scatter (fp32)
+        dense_moved = block_dense * (gpus - 1) / gpus
+        experts_moved = block_experts / ep * (efsdp - 1) / efsdp
+        if ep == 1:
+            dense_moved, experts_moved = dense_moved + experts_moved, 0.0
+        prefetched.append(2 * dense_moved)
+        gathered_late.append(2 * experts_moved)
+        reduces.append(4 * (dense_moved + experts_moved))
+    compute = [sum(s[b] for s in items.values()) for b in range(n)]
+    forward = [(c - r) / 3 for c, r in zip(compute, items["AC recompute"])]
+    backward = [c - f for c, f in zip(compute, forward)]
+    # the output head's GEMMs (main and each MTP depth), the loss's softmax over the vocabulary, the root's casts
+    heads = 1 + mc.n_mtp_layers
+    loss_s = (6 * heads * d * mc.vocab_size * T / (kind.dense_tflops * 1e12)
+              + 2 * T * heads * mc.vocab_size / (OTHER_HBM_EFFICIENCY * hbm)
+              + (14 * root / (FSDP_CAST_HBM_EFFICIENCY * hbm) if gpus > 1 else 0.0))
+
+    # FSDP2 per micro-batch: the root's and block 0's all-gathers open the forward, exposed; block b+1's all-gather
+    # runs behind block b's forward. The first backward block is gathered again, exposed; then block b−1's
+    # all-gather and block b+1's reduce-scatter run behind block b's backward; block 0's and the root's
+    # reduce-scatters close it, exposed. Experts gathered only when they run (EP, see _memory_table) are exposed. A
+    # micro-batch that does not reduce (accumulate_unsharded_grads) moves no reduce-scatter.
+    link = (kind.nvlink_gb_s if gpus <= kind.gpus_per_node else INFINIBAND_GB_S) * 1e9 * COLLECTIVE_EFFICIENCY
+    root_moved = root * (gpus - 1) / gpus
+
+    def fsdp_exposed(reduce: bool) -> float:
+        if gpus == 1:
+            return 0.0
+        rs = reduces if reduce else [0.0] * n
+        exposed = (2 * root_moved + prefetched[0] + prefetched[-1] + 2 * sum(gathered_late)) / link
+        exposed += sum(max(0.0, prefetched[b + 1] / link - forward[b]) for b in range(n - 1))
+        exposed += sum(max(0.0, ((prefetched[b - 1] if b else 0.0) + (rs[b + 1] if b + 1 < n else 0.0)) / link
+                           - backward[b]) for b in range(n))
+        return exposed + (rs[0] + (4 * root_moved if reduce else 0.0)) / link
+
+    reducing = 1 if p.accumulate_unsharded_grads else micro_batches
+    fsdp_s = reducing * fsdp_exposed(True) + (micro_batches - reducing) * fsdp_exposed(False)
+    # EP: dispatch and combine, forward and backward (full AC exchanges again in its recompute); copies to ranks in
+    # the node go over NVLink, the rest over InfiniBand
+    exchanges = 6 if t.activation_checkpoint == "full" else 4
+    in_node = min(ep, kind.gpus_per_node)
+    per_byte = ((in_node - 1) / ep / kind.nvlink_gb_s + (ep - in_node) / ep / INFINIBAND_GB_S) / 1e9
+    n_moe = n - mc.n_dense_layers
+    ep_s = n_moe * exchanges * T * mc.n_activated_experts * d * 2 * per_byte / ALL_TO_ALL_EFFICIENCY if ep > 1 else 0.0
+    # AdamW reads the parameter, gradient and moments and writes parameter and moments (one GPU: and the bf16 copy);
+    # the gradient is bf16 on one GPU with one micro-batch, else fp32
+    state_bytes = {"fp32": 4, "bf16": 2}[t.optimizer_state_dtype]
+    grad_bytes = 2 if gpus == 1 and micro_batches == 1 else 4
+    step_bytes = 8 + grad_bytes + 4 * state_bytes + (2 if gpus == 1 else 0)
+    efficiency = OPTIMIZER_HBM_EFFICIENCY["dsv3" if gpus == 1 or state_bytes == 2 else "torch"]
+    time = {item: micro_batches * sum(s) for item, s in items.items()}
+    time["elementwise, routing, loss"] += micro_batches * loss_s
+    time["optimizer"] = (dense + experts) / gpus * step_bytes / (efficiency * hbm)
+    # one GPU, several micro-batches: each bf16 gradient is folded into its fp32 accumulator (the first micro-batch
+    # writes it: 2 + 4 bytes, every later one reads and writes it too: 2 + 8), a stream like the optimizer's
+    folded_bytes = 6 + 10 * (micro_batches - 1) if gpus == 1 and micro_batches > 1 else 0
+    time["gradient accumulation"] = (dense + experts) * folded_bytes / (OPTIMIZER_HBM_EFFICIENCY["dsv3"] * hbm)
+    time["FSDP exposed"] = fsdp_s
+    time["EP all-to-all"] = micro_batches * ep_s
+    return time
+
+
 @dataclass
 class Plan:
-    """Per-GPU memory (GiB, itemised) and time (seconds per optimizer step, itemised) of a config on `gpus` GPUs."""
+    """Per-GPU memory (the table of live tensors, and its peak) and time per optimizer step (itemised, seconds) of a
+    config on `gpus` GPUs."""
 
     gpus: int
     gpu: str
     capacity_gib: float
-    memory: dict[str, float]
+    phases: list[str]
+    tensors: list[Tensor]
     time: dict[str, float]
     tokens_per_step_per_gpu: int
     assumptions: list[str]
+
+    def alive(self, phase: int) -> list[Tensor]:
+        return [x for x in self.tensors if x.first <= phase <= x.last]
+
+    @cached_property
+    def peak_phase(self) -> int:
+        """The phase at which the most bytes are alive (the first, of equals)."""
+        totals = [sum(x.bytes for x in self.alive(phase)) for phase in range(len(self.phases))]
+        return totals.index(max(totals))
+
+    @property
+    def memory(self) -> dict[str, float]:
+        """GiB per memory line at the peak."""
+        lines = dict.fromkeys(["parameters", "gradients", "optimizer states", "bf16 compute weights",
+                               "ep receive buffers", "activations", "loss (chunked)", "mtp", "overhead"], 0.0)
+        for x in self.alive(self.peak_phase):
+            lines[x.line] += x.bytes / GIB
+        return lines
 
     @property
     def memory_gib_per_gpu(self) -> float:
@@ -128,22 +439,21 @@ class Plan:
 
     def summary(self) -> str:
         m = self.memory
-        return (f"plan: {self.memory_gib_per_gpu:.1f} GiB per GPU of {self.capacity_gib:.1f} (params "
-                f"{m['parameters']:.1f}, grads {m['gradients']:.1f}, optimizer {m['optimizer states']:.1f}, "
-                f"activations {m['activations'] + m['ep receive buffers']:.1f}, other "
-                f"{m['bf16 compute weights'] + m['loss (chunked)'] + m['mtp'] + m['overhead']:.1f}), "
+        return (f"plan: {self.memory_gib_per_gpu:.1f} GiB per GPU of {self.capacity_gib:.1f} at its peak "
+                f"({self.phases[self.peak_phase]}: params {m['parameters']:.1f}, grads {m['gradients']:.1f}, "
+                f"optimizer {m['optimizer states']:.1f}, activations {m['activations'] + m['ep receive buffers']:.1f}, "
+                f"other {m['bf16 compute weights'] + m['loss (chunked)'] + m['mtp'] + m['overhead']:.1f}), "
                 f"~{self.tokens_per_s_per_gpu / 1e3:.1f}k tokens/s per GPU on {self.gpus} × {self.gpu}")
 
     def as_dict(self) -> dict:
         return {"gpus": self.gpus, "gpu": self.gpu, "capacity_gib": self.capacity_gib,
                 "memory_gib_per_gpu": self.memory_gib_per_gpu, "fits": self.fits,
-                "memory_gib": self.memory, "step_s": self.step_s, "time_s": self.time,
-                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "assumptions": self.assumptions}
-
-
-def _link_gb_s(group: int, gpu: GPU) -> float:
-    """A collective's per-GPU bandwidth: NVLink when the group sits in one node, else InfiniBand (ring-bound)."""
-    return gpu.nvlink_gb_s if group <= gpu.gpus_per_node else INFINIBAND_GB_S
+                "peak_phase": self.phases[self.peak_phase], "memory_gib": self.memory, "step_s": self.step_s,
+                "time_s": self.time, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+                "assumptions": self.assumptions,
+                "tensors_at_peak": [{"name": x.name, "line": x.line, "gib": x.bytes / GIB,
+                                     "from": self.phases[x.first], "until": self.phases[x.last]}
+                                    for x in self.alive(self.peak_phase)]}
 
 
 def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) -> Plan:
@@ -156,139 +466,26 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
     if t.global_batch % (t.micro_batch * gpus):
         raise UserError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch × GPUs "
                         f"({t.micro_batch} × {gpus})")
-    kind, ep = GPUS[gpu], p.ep
-    T = t.micro_batch * t.seq_len  # tokens per micro-batch per GPU
+    kind = GPUS[gpu]
     micro_batches = t.global_batch // (t.micro_batch * gpus)
-    state_bytes = {"fp32": 4, "bf16": 2}[t.optimizer_state_dtype]
-
-    # --- memory: bytes per GPU
-    dense, experts = dense_and_expert_params(mc)
-    sharded = (dense + experts) / gpus
-    is_moe = [i >= mc.n_dense_layers for i in range(mc.n_layers)] + [True] * mc.n_mtp_layers  # per block
-    params_per_block = [block_params(mc, moe) for moe in is_moe]
-    unsharded = [2 * (bd + be / ep) for bd, be in params_per_block]  # bf16, as all-gathered for compute
-    # fp32, reduce-scattered; on one GPU the compute copies' bf16 gradients, unless summed over micro-batches in fp32
-    grad_bytes = 2 if gpus == 1 and micro_batches == 1 else 4
-    grads = [grad_bytes * (bd + be) / gpus for bd, be in params_per_block]
-    saved = [_saved_per_token(mc, moe, ep) for moe in is_moe]
-    saved_local = [_saved_per_token(mc, moe, 1) for moe in is_moe]  # the same tokens without EP
-    mode = t.activation_checkpoint
-    acts = [ACTIVATION_FACTOR * 2 * T * s[mode] for s in saved]
-    ep_buffers = [ACTIVATION_FACTOR * 2 * T * (s[mode] - s1[mode]) for s, s1 in zip(saved, saved_local)]
-    # AC recomputes one block at a time in backward, holding all it would have saved
-    recompute = 0.0 if mode == "none" else max(ACTIVATION_FACTOR * 2 * T * s["none"] for s in saved)
-    root = root_params(mc)
-    unsharded_grads = 0.0
-    if p.accumulate_unsharded_grads and micro_batches > 1:
-        unsharded_grads = 4 * (dense + experts / ep)  # every rank holds the whole gradient until the step
-    # the chunked loss: in forward one chunk's bf16 logits and gradient and the fp32 head gradient being
-    # accumulated; to backward, the bf16 head and [T, D] input gradients (each MTP depth holds its own: mtp line)
-    loss_transient = LOSS_CHUNK * mc.vocab_size * 2 * 2 + 4 * mc.vocab_size * mc.dim
-    loss_saved = 2 * mc.vocab_size * mc.dim + 2 * T * mc.dim
-
-    # The peak is the largest of: the end of forward; block i's backward, from the last (earlier blocks'
-    # activations still saved, later blocks' sharded gradients there, block i's unsharded gradient in flight in
-    # bf16 and in fp32 for the reduce-scatter, unsharded parameters: on one GPU all blocks not yet reached, kept
-    # since forward, else block i and the prefetched i−1); the optimizer step (every gradient).
-    def held(i: int) -> float:
-        return sum(unsharded) if gpus == 1 else unsharded[i] + (unsharded[i - 1] if i else 0.0)
-
-    def saved_through(i: int, loss: float) -> dict[str, float]:
-        """What blocks 0..i hold for backward, the MTP blocks' share (and their own loss's) on its own line."""
-        main, mtp = slice(0, min(i + 1, mc.n_layers)), slice(mc.n_layers, i + 1)
-        return {"ep receive buffers": sum(ep_buffers[:i + 1]),
-                "activations": sum(acts[main]) - sum(ep_buffers[main]),
-                "mtp": sum(acts[mtp]) - sum(ep_buffers[mtp]) + mc.n_mtp_layers * loss_saved,
-                "loss (chunked)": loss}
-
-    n = len(is_moe)
-    phases = [{"gradients": 0.0, "bf16 compute weights": held(n - 1),
-               **saved_through(n - 1, loss_saved + loss_transient)}]
-    for i in reversed(range(n)):
-        # bf16 gradient, and its fp32 cast for the reduce-scatter (on one GPU: the bf16 one, if micro-batches add up)
-        in_flight_bytes = 6 if gpus > 1 else 2 if micro_batches > 1 else 0
-        in_flight = in_flight_bytes * (params_per_block[i][0] + params_per_block[i][1] / ep)
-        phase = {"gradients": sum(grads[i + 1:]) + grad_bytes * root / gpus, "bf16 compute weights": held(i) + in_flight,
-                 **saved_through(i, loss_saved)}
-        phase["activations"] += recompute
-        phases.append(phase)
-    phases.append({"gradients": grad_bytes * sharded, "bf16 compute weights": held(0) if gpus == 1 else 0.0,
-                   "ep receive buffers": 0.0,
-                   "activations": 0.0, "mtp": 0.0, "loss (chunked)": 0.0})
-    peak = max(phases, key=lambda parts: sum(parts.values()))
-    memory = {
-        "parameters": 4 * sharded / GIB,
-        "gradients": (peak["gradients"] + unsharded_grads) / GIB,
-        "optimizer states": 2 * state_bytes * sharded / GIB,
-        # the root (embedding, head) stays unsharded from forward to the end of backward (one GPU: always)
-        "bf16 compute weights": (2 * root + peak["bf16 compute weights"]) / GIB,
-        "ep receive buffers": peak["ep receive buffers"] / GIB,
-        "activations": peak["activations"] / GIB,
-        "loss (chunked)": peak["loss (chunked)"] / GIB,
-        "mtp": peak["mtp"] / GIB,
-        "overhead": OVERHEAD_GIB,
-    }
-
-    # --- time: seconds per optimizer step
-    n_moe = sum(is_moe)
-    expert_matmul = n_moe * mc.n_activated_experts * 3 * mc.dim * mc.moe_inter_dim
-    dense_matmul = active_matmul_params(mc) - expert_matmul
-    attention = 3 * len(is_moe) * mc.n_heads * (mc.qk_head_dim + mc.v_head_dim) * t.seq_len
-    activation_bytes = T * 2 * (sum(s["none"] for s in saved) + (1 + mc.n_mtp_layers) * mc.vocab_size)
-    other_bytes = activation_bytes + (14 * (dense + experts / ep) if gpus > 1 else 0)  # FSDP's casts
-    dense_s = 6 * dense_matmul * T / (kind.dense_tflops * 1e12)
-    expert_s = 6 * expert_matmul * T / (kind.grouped_tflops * 1e12)
-    attention_s = attention * T / (kind.attention_tflops * 1e12)
-    other_s = other_bytes / (OTHER_HBM_EFFICIENCY * kind.hbm_tb_s * 1e12)
-    # recompute: a forward (a third of forward + backward) of what the mode drops; no parameter casts again
-    recomputed_other_s = other_s * activation_bytes / other_bytes
-    head = (1 + mc.n_mtp_layers) * mc.dim * mc.vocab_size
-    blocks_dense_s = dense_s * (dense_matmul - head) / dense_matmul
-    recompute_s = {"none": 0.0,
-                   "selective": (blocks_dense_s * n_moe / len(is_moe) + recomputed_other_s) / 3,
-                   "full": (blocks_dense_s + expert_s + attention_s + recomputed_other_s) / 3}[t.activation_checkpoint]
-    compute_s = dense_s + expert_s + attention_s + other_s + recompute_s
-    # AdamW reads parameter, gradient and moments and writes parameter and moments (one GPU: the gradient and the
-    # written compute copy are bf16, the same bytes); dsv3.optim's update or torch's fused one
-    efficiency = OPTIMIZER_HBM_EFFICIENCY["dsv3" if gpus == 1 or state_bytes == 2 else "torch"]
-    optimizer_s = sharded * (3 * 4 + 4 * state_bytes) / (efficiency * kind.hbm_tb_s * 1e12)
-    # FSDP: bf16 all-gather before forward and again before backward, fp32 reduce-scatter after backward (every
-    # micro-batch, or once per step with accumulate_unsharded_grads); ring volume (n−1)/n per GPU
-    efsdp = gpus // ep
-    dense_group = dense - root  # the root's all-gather happens once per step, counted below
-    gather_bytes = 2 * 2 * (dense_group * (gpus - 1) / gpus + experts / ep * (efsdp - 1) / efsdp)
-    reduce_bytes = 4 * (dense * (gpus - 1) / gpus + experts / ep * (efsdp - 1) / efsdp)
-    reduces = 1 if p.accumulate_unsharded_grads else micro_batches
-    fsdp_s = (micro_batches * gather_bytes + reduces * reduce_bytes + 2 * root * (gpus - 1) / gpus) / (
-        _link_gb_s(gpus, kind) * 1e9)
-    # EP: dispatch and combine, forward and backward (full AC exchanges again in its recompute); copies to ranks
-    # in the node go over NVLink, the rest over InfiniBand
-    exchanges = 6 if t.activation_checkpoint == "full" else 4
-    copy_bytes = T * mc.n_activated_experts * mc.dim * 2
-    in_node = min(ep, kind.gpus_per_node)
-    per_byte = ((in_node - 1) / ep / kind.nvlink_gb_s + (ep - in_node) / ep / INFINIBAND_GB_S) / 1e9
-    ep_s = n_moe * exchanges * copy_bytes * per_byte / ALL_TO_ALL_EFFICIENCY if ep > 1 else 0.0
-    time = {
-        "dense GEMMs": micro_batches * dense_s,
-        "expert GEMMs": micro_batches * expert_s,
-        "attention": micro_batches * attention_s,
-        "elementwise, routing, loss": micro_batches * other_s,
-        "AC recompute": micro_batches * recompute_s,
-        "optimizer": optimizer_s,
-        # FSDP prefetches on its own stream: only what the compute cannot hide is exposed
-        "FSDP exposed": max(0.0, fsdp_s - micro_batches * compute_s),
-        "EP all-to-all": micro_batches * ep_s,
-    }
+    timeline = _Timeline(mc.n_layers, mc.n_mtp_layers, micro_batches)
+    link = "NVLink" if gpus <= kind.gpus_per_node else "InfiniBand"
     assumptions = [
-        f"{gpu}: {kind.dense_tflops:.0f} / {kind.grouped_tflops:.0f} / {kind.attention_tflops:.0f} TFLOP/s "
-        f"dense / grouped GEMM / attention, HBM {kind.hbm_tb_s} TB/s, {capacity_gib or kind.memory_gib:.1f} GiB",
-        f"links: NVLink {kind.nvlink_gb_s:.0f} GB/s within {kind.gpus_per_node} GPUs, InfiniBand "
-        f"{INFINIBAND_GB_S:.0f} GB/s per GPU across nodes; all-to-all at {ALL_TO_ALL_EFFICIENCY:.0%} of them",
-        "FSDP collectives overlap compute (prefetch); EP's all-to-all does not (it waits for its split sizes)",
+        f"{gpu}: {kind.dense_tflops:.0f} / {kind.grouped_tflops:.0f} / {kind.attention_tflops:.0f} TFLOP/s dense / "
+        f"grouped GEMM / attention, HBM {kind.hbm_tb_s} TB/s, {capacity_gib or kind.memory_gib:.1f} GiB; {kind.source}",
+        f"links: NVLink {kind.nvlink_gb_s:.0f} GB/s within {kind.gpus_per_node} GPUs, InfiniBand {INFINIBAND_GB_S:.0f} "
+        f"GB/s per GPU across nodes (one 400 Gb/s NIC per GPU); FSDP's collectives over {link} at "
+        f"{COLLECTIVE_EFFICIENCY:.0%} of it (assumed), our all-to-all at {ALL_TO_ALL_EFFICIENCY:.0%} (measured)",
+        "FSDP: a block's all-gather hides behind the previous block's compute, its reduce-scatter behind the next "
+        "block's backward, or is exposed; under EP the experts' all-gathers are exposed (not prefetched); EP's "
+        "all-to-all is never hidden (it waits for its split sizes)",
+        "one GPU, several micro-batches: each bf16 gradient is folded into an fp32 accumulator as soon as autograd "
+        "writes it",
         f"EP receive buffers: a balanced router's T·K copies × {EP_HEADROOM} headroom",
         "bf16 GEMMs and the all_to_all dispatcher: fp8/mxfp8 and DeepEP, both faster, are not modelled",
     ]
-    return Plan(gpus, gpu, capacity_gib or kind.memory_gib, memory, time, micro_batches * T, assumptions)
+    return Plan(gpus, gpu, capacity_gib or kind.memory_gib, timeline.phases, _memory_table(cfg, gpus, timeline),
+                _step_time(cfg, gpus, kind, micro_batches), micro_batches * t.micro_batch * t.seq_len, assumptions)
 
 
 def gpu_kind(device_name: str) -> str:
@@ -297,7 +494,7 @@ def gpu_kind(device_name: str) -> str:
     return next((kind for kind in ("b200", "h200", "h100") if kind in name), "h100")
 
 
-def _fixes(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None) -> list[tuple[str, Plan]]:
+def _fixes(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) -> list[tuple[str, Plan]]:
     """Single changes that make the plan fit, cheapest first: AC mode, then ep, then a smaller micro-batch."""
     t, p = cfg.train, cfg.parallel
     n_experts = cfg.model_config().n_routed_experts
@@ -308,14 +505,22 @@ def _fixes(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None) -> list
                    if gpus % ep == 0 and n_experts % ep == 0]
     candidates += [("train", "micro_batch", mb) for mb in range(t.micro_batch - 1, 0, -1)
                    if t.global_batch % (mb * gpus) == 0]
-    fixes = []
+    found = []
     for section, key, value in candidates:
         changed = copy.deepcopy(cfg)
         setattr(getattr(changed, section), key, value)
         candidate = plan(changed, gpus, gpu, capacity_gib)
         if candidate.fits:
-            fixes.append((f"--{section}.{key}={value}", candidate))
-    return fixes
+            found.append((f"--{section}.{key}={value}", candidate))
+    return found
+
+
+def advice(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) -> str:
+    """What to set when the plan cannot fit: up to three single changes that do, with their plans' memory."""
+    found = _fixes(cfg, gpus, gpu, capacity_gib)
+    if not found:
+        return "no single change of AC mode, ep or micro-batch fits: use more GPUs"
+    return "set " + "; or ".join(f"{flag} (plan: {fix.memory_gib_per_gpu:.1f} GiB)" for flag, fix in found[:3])
 
 
 def check_fits(cfg: Config, gpus: int, device_name: str, total_memory_bytes: int) -> Plan:
@@ -324,8 +529,5 @@ def check_fits(cfg: Config, gpus: int, device_name: str, total_memory_bytes: int
     planned = plan(cfg, gpus, kind, capacity_gib)
     if planned.fits:
         return planned
-    fixes = _fixes(cfg, gpus, kind, capacity_gib)
-    advice = ("; or ".join(f"{flag} (plan: {fix.memory_gib_per_gpu:.1f} GiB)" for flag, fix in fixes[:3])
-              if fixes else "no single change of AC mode, ep or micro-batch fits: use more GPUs")
     raise UserError(f"this config cannot fit the GPU: the plan needs {planned.memory_gib_per_gpu:.1f} GiB per GPU "
-                    f"of {capacity_gib:.1f} ({FIT_FRACTION:.0%} usable): set {advice}")
+                    f"of {capacity_gib:.1f} ({FIT_FRACTION:.0%} usable): {advice(cfg, gpus, kind, capacity_gib)}")

@@ -1,9 +1,10 @@
 """Plan a run before renting the GPUs: `python scripts/plan.py --config C [--section.key=value ...]
 [--gpus N] [--gpu h100|h200|b200] [--json]`.
 
-Prints per-GPU memory (itemised) and whether it fits, then step time (itemised) and tokens/s per GPU, with the
-rates and overlap assumptions behind them (dsv3/plan.py). Without --gpus it plans for the config's
-`parallel.gpus` (or `parallel.ep` GPUs when that is 0).
+Prints per-GPU memory at its peak (what is alive then, by line; with --tensors, every tensor alive then and its
+lifetime) and whether it fits, with the fix train.py would name when it does not; then step time (itemised) and
+tokens/s per GPU, with the rates and overlap assumptions behind them (dsv3/plan.py). Without --gpus it plans for
+the config's `parallel.gpus` (or `parallel.ep` GPUs when that is 0).
 """
 
 from __future__ import annotations
@@ -16,16 +17,23 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dsv3.config import UserError, load_config, run_main  # noqa: E402
-from dsv3.plan import FIT_FRACTION, GPUS, Plan, plan  # noqa: E402
+from dsv3.plan import FIT_FRACTION, GIB, GPUS, Plan, advice, plan  # noqa: E402
 
 
-def format_plan(p: Plan) -> str:
+def format_plan(p: Plan, fix: str | None = None, tensors: bool = False) -> str:
+    """The plan as text; `fix`: what to set when it does not fit (dsv3.plan.advice)."""
     width = max(map(len, [*p.memory, *p.time]))
-    lines = [f"memory per GPU ({p.gpus} × {p.gpu}):"]
+    peak = p.peak_phase
+    lines = [f"memory per GPU ({p.gpus} × {p.gpu}) at its peak, {p.phases[peak]}: what is alive then"]
     lines += [f"  {name:<{width}}  {gib:7.2f} GiB" for name, gib in p.memory.items()]
-    verdict = "fits" if p.fits else "does NOT fit"
-    lines.append(f"  {'total':<{width}}  {p.memory_gib_per_gpu:7.2f} GiB of {p.capacity_gib:.1f}: {verdict} "
-                 f"(limit {FIT_FRACTION:.0%})")
+    lines.append(f"  {'total':<{width}}  {p.memory_gib_per_gpu:7.2f} GiB of {p.capacity_gib:.1f}: "
+                 f"{'fits' if p.fits else 'does NOT fit'} (limit {FIT_FRACTION:.0%})")
+    if fix:
+        lines.append(f"  to fit, {fix}")
+    if tensors:
+        lines.append("tensors alive at the peak (GiB, alive from → until):")
+        lines += [f"  {x.bytes / GIB:8.3f}  {x.name}  ({p.phases[x.first]} → {p.phases[x.last]})"
+                  for x in p.alive(peak)]
     lines.append(f"time per optimizer step ({p.tokens_per_step_per_gpu} tokens per GPU):")
     lines += [f"  {name:<{width}}  {1e3 * s:9.1f} ms" for name, s in p.time.items()]
     lines.append(f"  {'total':<{width}}  {1e3 * p.step_s:9.1f} ms → {p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
@@ -39,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", help="a TOML config (default: the built-in defaults)")
     parser.add_argument("--gpus", type=int, help="GPU count (default: parallel.gpus, else parallel.ep)")
     parser.add_argument("--gpu", default="h100", help=f"GPU kind: {' | '.join(GPUS)} (default h100)")
+    parser.add_argument("--tensors", action="store_true", help="list every tensor alive at the peak")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args, overrides = parser.parse_known_args(argv)
     try:
@@ -48,8 +57,13 @@ def main(argv: list[str] | None = None) -> None:
     gpus = args.gpus or cfg.parallel.gpus or cfg.parallel.ep
     if gpus < 1:
         raise UserError(f"--gpus must be a positive GPU count, got {gpus}")
-    planned = plan(cfg, gpus, args.gpu.lower())
-    print(json.dumps(planned.as_dict(), indent=1) if args.json else format_plan(planned))
+    kind = args.gpu.lower()
+    planned = plan(cfg, gpus, kind)
+    fix = None if planned.fits else advice(cfg, gpus, kind)
+    if args.json:
+        print(json.dumps({**planned.as_dict(), "fix": fix}, indent=1))
+    else:
+        print(format_plan(planned, fix, args.tensors))
 
 
 if __name__ == "__main__":
