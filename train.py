@@ -4,6 +4,7 @@ or the same under `torchrun --nproc_per_node=N`.
 parse config → check inputs → build model → parallelize (EP, AC, FSDP2) → compile → train:
 AdamW, warmup → constant → cosine (paper §4.2), optional batch-size ramp, gradient accumulation,
 loss = CE + λ/D·Σ CE_mtp + α·L_bal, clip 1.0, then the aux-loss-free expert-bias update.
+SIGTERM or Ctrl-C: the step in flight finishes and is saved, and the run exits 143 / 130 (dsv3/stop.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flo
 from dsv3.model import Transformer
 from dsv3.moe import update_expert_bias
 from dsv3.plan import check_fits
+from dsv3.stop import StopSignal, resume_command
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
@@ -264,6 +266,7 @@ def main(argv: list[str] | None = None) -> None:
         return values[-1] if values else None
 
     model.train()
+    stop, stopping = StopSignal(), None  # from here SIGTERM and SIGINT stop the run at a step's end, saved
     for step in range(start_step + 1, t.steps + 1):
         lr = lr_at(step, t)
         for group in optimizer.param_groups:
@@ -274,8 +277,9 @@ def main(argv: list[str] | None = None) -> None:
                                                cfg.parallel.accumulate_unsharded_grads)
         pending.append((step, values))
         tokens_since += global_batch * t.seq_len
+        stopping = stop.agreed() if step < t.steps else None  # every rank alike: log this step, save it, leave
 
-        if step % cfg.log.every == 0 or step == t.steps or step == start_step + 1:  # a first sign of life
+        if step % cfg.log.every == 0 or step == t.steps or step == start_step + 1 or stopping:  # 1: a sign of life
             main_loss, mtp_loss, balance_loss, grad_norm = flush()
             elapsed, clock = time.perf_counter() - clock, time.perf_counter()
             tokens_per_s = tokens_since / elapsed
@@ -295,22 +299,32 @@ def main(argv: list[str] | None = None) -> None:
         paused = time.perf_counter()  # validation and saving are not training: keep them out of tokens/s
         if t.val_every and (step % t.val_every == 0 or step == t.steps):
             logger.log(step, {"val_loss": evaluate(model, cfg, rank, world, device)})
-        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == t.steps):
+        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == t.steps or stopping):
             flush()  # never save over the last good checkpoint with a diverged model
             checkpoint.save(run_dir, step, model, optimizer, {"step": step, "data": loader.state_dict()},
                             cfg.checkpoint.keep, cfg.checkpoint.verify_checksums)
             unconfirmed.append(step)
         clock += time.perf_counter() - paused
-    for step in unconfirmed:  # the last update has no next step to judge it; its own grad norm was judged
-        checkpoint.confirm(run_dir, step, cfg.checkpoint.keep)
-    if cfg.checkpoint.export:
-        checkpoint.export(run_dir / "export", model, mcfg)
+        if stopping:
+            break
+    stop.restore()
+    if not stopping:
+        for step in unconfirmed:  # the last update has no next step to judge it; its own grad norm was judged
+            checkpoint.confirm(run_dir, step, cfg.checkpoint.keep)
+        if cfg.checkpoint.export:
+            checkpoint.export(run_dir / "export", model, mcfg)
+    elif rank == 0:
+        saved = (f"saved {run_dir / f'step-{step}'}; continue with: {resume_command(argv)}" if cfg.checkpoint.every
+                 else "nothing saved (checkpoint.every=0)")
+        print(f"stopped by {stopping.name} after step {step} of {t.steps}: {saved}", flush=True)
     logger.close()
     checkpoint.unlock_run_dir(run_dir)
     deepep.close()  # DeepEP's buffer, if any: before the process group goes
     if dist.is_initialized():
         dist.barrier()  # no rank tears the group down while another still talks to it
         dist.destroy_process_group()
+    if stopping:
+        sys.exit(128 + stopping)  # 143 for SIGTERM, 130 for SIGINT: "ended by a signal", which schedulers requeue
 
 
 if __name__ == "__main__":

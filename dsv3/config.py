@@ -22,9 +22,14 @@ class UserError(ValueError):
 
 def run_main(main: Callable[[], object]) -> None:
     """Run an entry point: a UserError is one line on stderr (rank 0 only under torchrun) and exit code 2.
-    A process group already set up is torn down first, so no rank waits on one that has left."""
+    A process group already set up is torn down first, so no rank waits on one that has left. Ctrl-C is one
+    line and exit code 130 (train.py's loop catches it itself, to save: dsv3/stop.py)."""
     try:
         main()
+    except KeyboardInterrupt:
+        if os.environ.get("RANK", "0") == "0":
+            print("interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)
     except UserError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)

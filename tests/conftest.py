@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -23,6 +24,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers():
+    """train.main catches SIGTERM and SIGINT during its loop and gives them back when the loop ends; a test that
+    raises out of the loop would leave them caught, and Ctrl-C would no longer stop pytest."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="session")
