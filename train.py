@@ -22,8 +22,8 @@ from torch.distributed.fsdp import FSDPModule
 from dsv3 import checkpoint, deepep, optim, parallel, quant
 from dsv3.config import Config, TrainConfig, UserError, help_text, load_config, run_main
 from dsv3.data import PackedLoader, read_index
-from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, memory_stats, mfu,
-                          parameter_counts, peak_flops, startup_banner)
+from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, import_wandb,
+                          memory_stats, mfu, parameter_counts, peak_flops, startup_banner)
 from dsv3.model import Transformer
 from dsv3.moe import update_expert_bias
 from dsv3.plan import check_fits
@@ -128,7 +128,7 @@ def build_optimizer(model: Transformer, t: TrainConfig, device: torch.device) ->
 
 
 def check_setup(cfg: Config, world: int, device: torch.device) -> None:
-    """What this machine and world size must satisfy before a model is built: precision, EP, batch."""
+    """What this machine and world size must satisfy before a model is built: precision, EP, batch, compile, W&B."""
     t, p = cfg.train, cfg.parallel
     quant.check_precision(t.precision, t.expert_precision, device, t.micro_batch * t.seq_len, t.fp8_recipe)
     parallel.check_ep(p.ep, world, cfg.model_config().n_routed_experts)
@@ -136,6 +136,9 @@ def check_setup(cfg: Config, world: int, device: torch.device) -> None:
     if t.global_batch % (t.micro_batch * world):
         raise UserError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch × "
                         f"world size ({t.micro_batch} × {world})")
+    parallel.check_compile(t.compile, device)
+    if cfg.log.wandb:
+        import_wandb()
 
 
 def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
@@ -198,9 +201,8 @@ def main(argv: list[str] | None = None) -> None:
     if data_vocab > mcfg.vocab_size:
         raise UserError(f"the data's tokenizer has {data_vocab} tokens but model.vocab_size is "
                         f"{mcfg.vocab_size}: set --model.vocab_size={data_vocab} or re-tokenize the data")
-    if cfg.checkpoint.init_from and not any(Path(cfg.checkpoint.init_from).glob("*.safetensors")):
-        raise UserError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no *.safetensors: point it "
-                        f"at an export, or convert an HF model with scripts/convert_hf.py --to-dsv3")
+    if cfg.checkpoint.init_from:
+        checkpoint.check_init_from(cfg.checkpoint.init_from)
     run_dir = Path(cfg.checkpoint.dir)
     checkpoint.lock_run_dir(run_dir, create=not cfg.checkpoint.resume)  # one run per directory, until it ends
     found = checkpoint.checkpoints(run_dir)

@@ -338,6 +338,23 @@ def _restore_rng(path: Path) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def check_init_from(path: str | Path) -> None:
+    """Refuse, before anything is built, a checkpoint.init_from that holds no dsv3 weights: no safetensors at all, or
+    a Hugging Face checkpoint (its config.json names a model_type; its tensors are named model.layers.*)."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise UserError(f"checkpoint.init_from={path} holds no *.safetensors: point it at an export, or convert an "
+                        f"HF model with python scripts/convert_hf.py --to-dsv3 HF_DIR OUT_DIR")
+    config = Path(path) / "config.json"
+    hf_config = config.is_file() and "model_type" in json.loads(config.read_text())
+    with safe_open(files[0], "pt") as f:
+        hf_names = any(name.startswith("model.") for name in f.keys())
+    if hf_config or hf_names:
+        raise UserError(f"checkpoint.init_from={path} is a Hugging Face checkpoint: convert it first with "
+                        f"python scripts/convert_hf.py --to-dsv3 {path} OUT_DIR, then pass "
+                        f"--checkpoint.init_from=OUT_DIR")
+
+
 def load_weights(path: str | Path, model: nn.Module) -> None:
     """Initialise the (possibly sharded) model from a dsv3 safetensors directory; each rank reads only
     the slices it holds, so a 671B import never passes through one process."""

@@ -109,6 +109,7 @@ class Plan:
     time: dict[str, float]
     tokens_per_step_per_gpu: int
     assumptions: list[str]
+    peak_at: str  # when in the step memory peaks: the memory lines hold what is allocated then
 
     @property
     def memory_gib_per_gpu(self) -> float:
@@ -136,7 +137,7 @@ class Plan:
 
     def as_dict(self) -> dict:
         return {"gpus": self.gpus, "gpu": self.gpu, "capacity_gib": self.capacity_gib,
-                "memory_gib_per_gpu": self.memory_gib_per_gpu, "fits": self.fits,
+                "memory_gib_per_gpu": self.memory_gib_per_gpu, "fits": self.fits, "peak_at": self.peak_at,
                 "memory_gib": self.memory, "step_s": self.step_s, "time_s": self.time,
                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "assumptions": self.assumptions}
 
@@ -204,7 +205,11 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
     n = len(is_moe)
     phases = [{"gradients": 0.0, "bf16 compute weights": held(n - 1),
                **saved_through(n - 1, loss_saved + loss_transient)}]
+    phase_names = ["the end of forward (every activation saved, no gradient yet)"]
     for i in reversed(range(n)):
+        block = f"block {i}" if i < mc.n_layers else f"MTP module {i - mc.n_layers}"
+        phase_names.append(f"the backward pass at {block} (the gradients of the blocks after it, the activations "
+                           f"of those before it)")
         # bf16 gradient, and its fp32 cast for the reduce-scatter (on one GPU: the bf16 one, if micro-batches add up)
         in_flight_bytes = 6 if gpus > 1 else 2 if micro_batches > 1 else 0
         in_flight = in_flight_bytes * (params_per_block[i][0] + params_per_block[i][1] / ep)
@@ -215,7 +220,9 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
     phases.append({"gradients": grad_bytes * sharded, "bf16 compute weights": held(0) if gpus == 1 else 0.0,
                    "ep receive buffers": 0.0,
                    "activations": 0.0, "mtp": 0.0, "loss (chunked)": 0.0})
-    peak = max(phases, key=lambda parts: sum(parts.values()))
+    phase_names.append("the optimizer step (every gradient, no activation)")
+    peak_at = max(range(len(phases)), key=lambda k: sum(phases[k].values()))
+    peak = phases[peak_at]
     memory = {
         "parameters": 4 * sharded / GIB,
         "gradients": (peak["gradients"] + unsharded_grads) / GIB,
@@ -288,7 +295,8 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
         f"EP receive buffers: a balanced router's T·K copies × {EP_HEADROOM} headroom",
         "bf16 GEMMs and the all_to_all dispatcher: fp8/mxfp8 and DeepEP, both faster, are not modelled",
     ]
-    return Plan(gpus, gpu, capacity_gib or kind.memory_gib, memory, time, micro_batches * T, assumptions)
+    return Plan(gpus, gpu, capacity_gib or kind.memory_gib, memory, time, micro_batches * T, assumptions,
+                phase_names[peak_at])
 
 
 def gpu_kind(device_name: str) -> str:
@@ -318,14 +326,19 @@ def _fixes(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None) -> list
     return fixes
 
 
+def fit_advice(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) -> str:
+    """What to set so that a config that cannot fit does: up to three single changes, with their plans' memory."""
+    fixes = _fixes(cfg, gpus, gpu, capacity_gib)
+    if not fixes:
+        return "no single change of AC mode, ep or micro-batch fits: use more GPUs"
+    return "set " + "; or ".join(f"{flag} (plan: {fix.memory_gib_per_gpu:.1f} GiB)" for flag, fix in fixes[:3])
+
+
 def check_fits(cfg: Config, gpus: int, device_name: str, total_memory_bytes: int) -> Plan:
     """The plan of `cfg` on this GPU; a UserError naming a fix (AC mode, ep, micro-batch) when it cannot fit."""
     kind, capacity_gib = gpu_kind(device_name), total_memory_bytes / GIB
     planned = plan(cfg, gpus, kind, capacity_gib)
     if planned.fits:
         return planned
-    fixes = _fixes(cfg, gpus, kind, capacity_gib)
-    advice = ("; or ".join(f"{flag} (plan: {fix.memory_gib_per_gpu:.1f} GiB)" for flag, fix in fixes[:3])
-              if fixes else "no single change of AC mode, ep or micro-batch fits: use more GPUs")
     raise UserError(f"this config cannot fit the GPU: the plan needs {planned.memory_gib_per_gpu:.1f} GiB per GPU "
-                    f"of {capacity_gib:.1f} ({FIT_FRACTION:.0%} usable): set {advice}")
+                    f"of {capacity_gib:.1f} ({FIT_FRACTION:.0%} usable): {fit_advice(cfg, gpus, kind, capacity_gib)}")

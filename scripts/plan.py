@@ -16,16 +16,17 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dsv3.config import UserError, load_config, run_main  # noqa: E402
-from dsv3.plan import FIT_FRACTION, GPUS, Plan, plan  # noqa: E402
+from dsv3.plan import FIT_FRACTION, GPUS, Plan, fit_advice, plan  # noqa: E402
 
 
-def format_plan(p: Plan) -> str:
+def format_plan(p: Plan, advice: str = "") -> str:
+    """The plan as a table; `advice`: what to change when it does not fit (dsv3.plan.fit_advice)."""
     width = max(map(len, [*p.memory, *p.time]))
-    lines = [f"memory per GPU ({p.gpus} × {p.gpu}):"]
+    lines = [f"memory per GPU ({p.gpus} × {p.gpu}) at its peak, {p.peak_at}:"]
     lines += [f"  {name:<{width}}  {gib:7.2f} GiB" for name, gib in p.memory.items()]
-    verdict = "fits" if p.fits else "does NOT fit"
-    lines.append(f"  {'total':<{width}}  {p.memory_gib_per_gpu:7.2f} GiB of {p.capacity_gib:.1f}: {verdict} "
-                 f"(limit {FIT_FRACTION:.0%})")
+    verdict = "fits" if p.fits else f"does NOT fit: {advice}"
+    lines.append(f"  {'total':<{width}}  {p.memory_gib_per_gpu:7.2f} GiB of {p.capacity_gib:.1f} (limit "
+                 f"{FIT_FRACTION:.0%}): {verdict}")
     lines.append(f"time per optimizer step ({p.tokens_per_step_per_gpu} tokens per GPU):")
     lines += [f"  {name:<{width}}  {1e3 * s:9.1f} ms" for name, s in p.time.items()]
     lines.append(f"  {'total':<{width}}  {1e3 * p.step_s:9.1f} ms → {p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     if gpus < 1:
         raise UserError(f"--gpus must be a positive GPU count, got {gpus}")
     planned = plan(cfg, gpus, args.gpu.lower())
-    print(json.dumps(planned.as_dict(), indent=1) if args.json else format_plan(planned))
+    advice = "" if planned.fits else fit_advice(cfg, gpus, args.gpu.lower())
+    print(json.dumps(planned.as_dict(), indent=1) if args.json else format_plan(planned, advice))
 
 
 if __name__ == "__main__":

@@ -128,6 +128,18 @@ def test_cli_json_has_memory_and_tokens_per_s(capsys):
     assert out["gpus"] == 1 and out["gpu"] == "h200"
 
 
+def test_cli_says_when_memory_peaks_and_names_the_fix_train_py_would(capsys):
+    """The 16B on 8 H100s without AC does not fit; the table says so with the change that makes it fit, and that its
+    memory lines are what is allocated at the peak (in backward, only the gradients of the blocks done so far)."""
+    plan_cli.main(["--config", "configs/16b.toml", "--gpus", "8", "--train.activation_checkpoint=none"])
+    header, *lines = capsys.readouterr().out.splitlines()
+    assert header == ("memory per GPU (8 × h100) at its peak, the backward pass at block 26 (the gradients of the "
+                      "blocks after it, the activations of those before it):")
+    total = next(line for line in lines if line.strip().startswith("total"))
+    assert total.startswith("  total                         82.71 GiB of 79.1 (limit 95%): does NOT fit: set "
+                            "--train.activation_checkpoint=selective (plan: 52.0 GiB); or ")
+
+
 def test_cli_rejects_an_unknown_gpu_kind_in_one_line(capsys):
     with pytest.raises(SystemExit) as exit_:
         run_main(lambda: plan_cli.main(["--config", CUT_16B, "--gpu", "a100"]))

@@ -18,11 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 
 import train
 from dsv3 import checkpoint
 from dsv3.config import FLAVORS, Config, DataConfig, ModelConfig, TrainConfig, UserError, run_main
+from dsv3.hf import config_to_hf
 from dsv3.model import Transformer
 from conftest import free_port, load_export, read_metrics, torchrun_vars
 
@@ -310,8 +312,10 @@ def test_resume_with_no_checkpoint_is_an_error_not_a_fresh_start(data, tmp_path,
     (["--train.val_batches=0"], UserError, "train.val_batches must be >= 1, got 0"),
     (["--train.loss_spike_factor=0.5"], UserError, r"train.loss_spike_factor must be 0 \(off\) or > 1, got 0\.5"),
     (["--checkpoint.dir=/dev/null/run"], UserError, "checkpoint.dir=/dev/null/run cannot be written"),
+    (["--train.device=cpu", "--train.compile=true"], UserError,
+     "^train.compile=true needs a CUDA GPU: .* use --train.compile=false$"),
 ], ids=["flavor", "key", "model-key", "no-value", "no-dashes", "type", "data", "vocab", "batch", "seq-len",
-        "ep", "init-from", "log-every", "val-batches", "spike-factor", "unwritable-dir"])
+        "ep", "init-from", "log-every", "val-batches", "spike-factor", "unwritable-dir", "compile-on-cpu"])
 def test_bad_input_is_a_clear_error_before_the_model_is_built(data, tmp_path, monkeypatch, overrides, error,
                                                                 message):
     def build_model(*args, **kwargs):
@@ -321,6 +325,25 @@ def test_bad_input_is_a_clear_error_before_the_model_is_built(data, tmp_path, mo
     with pytest.raises(error, match=message):
         run(tmp_path, *overrides)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_init_from_a_hugging_face_checkpoint_names_the_conversion_before_building(data, tmp_path, monkeypatch):
+    hf_dir = tmp_path / "DeepSeek-V3-hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["debug"])))
+    save_file({"model.embed_tokens.weight": torch.zeros(4096, 128)}, hf_dir / "model-00001-of-00001.safetensors")
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(UserError, match=rf"^checkpoint.init_from={hf_dir} is a Hugging Face checkpoint: convert it "
+                                        rf"first with python scripts/convert_hf.py --to-dsv3 {hf_dir} OUT_DIR, then "
+                                        r"pass --checkpoint.init_from=OUT_DIR$"):
+        run(tmp_path / "run", *TINY, f"--checkpoint.init_from={hf_dir}")
+
+
+def test_wandb_without_the_package_is_one_line_naming_pip_install_before_building(data, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(UserError, match=r"^log.wandb=true needs the wandb package: pip install wandb"):
+        run(tmp_path, *TINY, "--log.wandb=true")
 
 
 def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(data, tmp_path, monkeypatch):
