@@ -4,6 +4,7 @@ overrides. Every check that can fail on user input lives here and says what to c
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import json
 import math
@@ -222,7 +223,7 @@ class Config:
         known = {f.name for f in fields(ModelConfig)}
         unknown = sorted(set(self.model) - known)
         if unknown:
-            raise UserError(f"unknown model key(s) {unknown}: ModelConfig has {', '.join(sorted(known))}")
+            raise UserError(f"unknown model key(s) {unknown}: {_known_keys('model', unknown[0], known)}")
         return dataclasses.replace(FLAVORS[self.flavor], **self.model)
 
 
@@ -236,6 +237,18 @@ _CHOICES = {
     ("train", "device"): ("auto", "cpu", "cuda"),
     ("parallel", "ep_backend"): ("all_to_all", "deepep"),
 }
+
+
+def _known_keys(section: str, key: str, known: set[str]) -> str:
+    """The keys a mistyped `key` may have meant: the closest, else all of them."""
+    close = difflib.get_close_matches(key, known, n=3)
+    if close:
+        return "did you mean " + " or ".join(f"{section}.{name}" for name in close) + "?"
+    return f"{section} has {', '.join(sorted(known))}"
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
 def _parse_value(text: str) -> Any:
@@ -258,7 +271,7 @@ def _typed(section: str, key: str, value: Any, current: Any, text: str | None = 
         value = float(value)
     if type(value) is not type(current):
         example = f""" (in TOML syntax: --{section}.{key}='["a", "b"]')""" if isinstance(current, list) else ""
-        raise UserError(f"{section}.{key} must be a {type(current).__name__}{example}, got {value!r}")
+        raise UserError(f"{section}.{key} must be {_a(type(current).__name__)}{example}, got {value!r}")
     if isinstance(value, list) and not all(isinstance(item, str) and item for item in value):
         raise UserError(f"{section}.{key} must be a list of non-empty strings, got {value!r}")
     return value
@@ -282,7 +295,7 @@ def _set(cfg: Config, section: str, key: str, value: Any, text: str | None = Non
     target = getattr(cfg, section)
     types = {f.name: f.type for f in fields(target)}
     if key not in types:
-        raise UserError(f"unknown key {section}.{key}: {section} has {', '.join(sorted(types))}")
+        raise UserError(f"unknown key {section}.{key}: {_known_keys(section, key, set(types))}")
     value = _typed(section, key, value, getattr(target, key), text)
     choices = _CHOICES.get((section, key))
     if choices and value not in choices:

@@ -2,7 +2,7 @@
 (metrics.jsonl, one console line per log step, W&B when enabled).
 
 Metric keys the console line knows (others go to jsonl/W&B only): `loss`, `mtp_loss`, `balance_loss`, `lr`,
-`grad_norm`, `tokens_per_s` (all GPUs together), `mfu` (a fraction, printed as %), `memory/peak_allocated_gib`.
+`grad_norm`, `tokens_per_s` (all ranks together), `mfu` (a fraction, printed as %), `memory/peak_allocated_gib`.
 """
 
 from __future__ import annotations

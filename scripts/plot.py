@@ -22,7 +22,7 @@ CURVES = [
     ("loss.png", "loss", ["loss", "val_loss", "mtp_loss"], False),
     ("lr.png", "learning rate", ["lr"], False),
     ("grad_norm.png", "gradient norm (before clipping)", ["grad_norm"], True),
-    ("tokens_per_s.png", "tokens / s (all GPUs)", ["tokens_per_s"], False),
+    ("tokens_per_s.png", "tokens / s (all ranks together)", ["tokens_per_s"], False),
 ]
 
 
