@@ -101,11 +101,11 @@ def plot_runs(runs: list[str], out: str | None = None) -> list[Path]:
     return written
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run directories (checkpoint.dir), overlaid in this order")
     parser.add_argument("--out", default=None, help="where the PNGs go; default: FIRST_RUN/plots")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for path in plot_runs(args.runs, args.out):
         print(path)
 

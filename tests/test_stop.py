@@ -29,19 +29,25 @@ def test_the_first_signal_is_kept_and_later_ones_change_nothing():
 def _rank(rank: int, world: int, port: int, signalled_at: int, out: Path) -> None:
     torchrun_env(rank, world, port)
     dist.init_process_group("gloo")
-    stop = StopSignal()
-    for step in range(1, 10):
-        if rank == 1 and step == signalled_at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        if stop.agreed():
-            break
-    (out / f"rank-{rank}").write_text(str(step))
+    stopped_at = []
+    for group in ("default", "gloo beside nccl"):
+        if group == "gloo beside nccl":  # as under NCCL: the flag travels over a gloo group of its own
+            dist.get_backend = lambda *args: "nccl"
+        stop = StopSignal()
+        for step in range(1, 10):
+            if rank == 1 and step == signalled_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if stop.agreed():
+                break
+        stop.restore()
+        stopped_at.append(str(step))
+    (out / f"rank-{rank}").write_text(" ".join(stopped_at))
     dist.destroy_process_group()
 
 
 def test_a_signal_that_reaches_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     mp.spawn(_rank, args=(2, free_port(), 4, tmp_path), nprocs=2)
-    assert [(tmp_path / f"rank-{rank}").read_text() for rank in range(2)] == ["4", "4"]
+    assert [(tmp_path / f"rank-{rank}").read_text() for rank in range(2)] == ["4 4", "4 4"]
 
 
 @pytest.mark.parametrize("env,command", [
