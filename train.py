@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         tokens_since += global_batch * t.seq_len
         stopping = stop.agreed() if step < t.steps else None  # every rank alike: log this step, save it, leave
 
-        if step % cfg.log.every == 0 or step == t.steps or step == start_step + 1 or stopping:  # 1: a sign of life
+        if step % cfg.log.every == 0 or step == t.steps or step == start_step + 1 or stopping:  # +1: first sign of life
             main_loss, mtp_loss, balance_loss, grad_norm = flush()
             elapsed, clock = time.perf_counter() - clock, time.perf_counter()
             tokens_per_s = tokens_since / elapsed

@@ -11,7 +11,7 @@ import torch
 
 import train
 from dsv3 import parallel
-from dsv3.config import load_config
+from dsv3.config import Config, load_config
 from scripts import convert_hf, plan, plot
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,12 +60,13 @@ def train_args(command: str) -> tuple[list[str], int] | None:
     for script, world in (("train.py", 1), ("scripts/slurm/train.sbatch", 8)):
         if script in words:
             launch, args = words[:words.index(script)], words[words.index(script) + 1:]
-            flags = dict(re.fullmatch(r"--(\w+)=(\d+)", word).groups() for word in launch if re.fullmatch(r"--\w+=\d+", word))
+            flags = dict(match.groups() for word in launch if (match := re.fullmatch(r"--(\w+)=(\d+)", word)))
             return args, world * int(flags.get("nproc_per_node", 1)) * int(flags.get("nodes", 1))
     return None
 
 
-def config_of(args: list[str]):
+def config_of(args: list[str]) -> Config:
+    """The config a command line loads: its --config file and its --section.key=value overrides."""
     path = args[args.index("--config") + 1] if "--config" in args else None
     overrides = [arg for arg in args if arg.startswith("--") and "." in arg.split("=")[0]]
     return load_config(str(ROOT / path) if path else None, overrides)
