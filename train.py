@@ -4,6 +4,7 @@ or the same under `torchrun --nproc_per_node=N`.
 parse config → check inputs → build model → parallelize (EP, AC, FSDP2) → compile → train:
 AdamW, warmup → constant → cosine (paper §4.2), optional batch-size ramp, gradient accumulation,
 loss = CE + λ/D·Σ CE_mtp + α·L_bal, clip 1.0, then the aux-loss-free expert-bias update.
+SIGTERM or Ctrl-C: the step in flight finishes and is saved, and the run exits 143 / 130 (dsv3/stop.py).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from torch.distributed.fsdp import FSDPModule
 from dsv3 import checkpoint, deepep, optim, parallel, quant
 from dsv3.config import Config, TrainConfig, UserError, help_text, load_config, run_main
 from dsv3.data import MixtureLoader, PackedLoader, check_sources, data_tokenizer, describe_mixture
-from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, memory_stats, mfu,
-                          parameter_counts, peak_flops, startup_banner)
+from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, import_wandb,
+                          memory_stats, mfu, parameter_counts, peak_flops, startup_banner)
 from dsv3.model import Transformer
 from dsv3.moe import update_expert_bias
 from dsv3.plan import check_fits
+from dsv3.stop import StopSignal, resume_command
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
@@ -133,7 +135,7 @@ def build_optimizer(model: Transformer, t: TrainConfig, device: torch.device) ->
 
 
 def check_setup(cfg: Config, world: int, device: torch.device) -> None:
-    """What this machine and world size must satisfy before a model is built: precision, EP, batch."""
+    """What this machine and world size must satisfy before a model is built: precision, EP, batch, compile, W&B."""
     t, p = cfg.train, cfg.parallel
     quant.check_precision(t.precision, t.expert_precision, device, t.micro_batch * t.seq_len, t.fp8_recipe)
     parallel.check_ep(p.ep, world, cfg.model_config().n_routed_experts)
@@ -141,6 +143,9 @@ def check_setup(cfg: Config, world: int, device: torch.device) -> None:
     if t.global_batch % (t.micro_batch * world):
         raise UserError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch × "
                         f"world size ({t.micro_batch} × {world})")
+    parallel.check_compile(t.compile, device)
+    if cfg.log.wandb:
+        import_wandb()
 
 
 def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
@@ -200,9 +205,6 @@ def main(argv: list[str] | None = None) -> None:
         memory_plan = check_fits(cfg, world, torch.cuda.get_device_name(device),
                                  torch.cuda.get_device_properties(device).total_memory)
     check_sources(cfg.data.mixture(), mcfg.vocab_size, cfg.checkpoint.init_from)
-    if cfg.checkpoint.init_from and not any(Path(cfg.checkpoint.init_from).glob("*.safetensors")):
-        raise UserError(f"checkpoint.init_from={cfg.checkpoint.init_from} holds no *.safetensors: point it "
-                        f"at an export, or convert an HF model with scripts/convert_hf.py --to-dsv3")
     if cfg.checkpoint.init_from:
         checkpoint.check_init_from(cfg.checkpoint.init_from, mcfg)
     run_dir = Path(cfg.checkpoint.dir)
@@ -272,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         return values[-1] if values else None
 
     model.train()
+    stop, stopping = StopSignal(), None  # from here SIGTERM and SIGINT stop the run at a step's end, saved
     for step in range(start_step + 1, t.steps + 1):
         lr = lr_at(step, t)
         for group in optimizer.param_groups:
@@ -282,8 +285,9 @@ def main(argv: list[str] | None = None) -> None:
                                                cfg.parallel.accumulate_unsharded_grads)
         pending.append((step, values))
         tokens_since += global_batch * t.seq_len
+        stopping = stop.agreed() if step < t.steps else None  # every rank alike: log this step, save it, leave
 
-        if step % cfg.log.every == 0 or step == t.steps or step == start_step + 1:  # a first sign of life
+        if step % cfg.log.every == 0 or step == t.steps or step == start_step + 1 or stopping:  # +1: first sign of life
             main_loss, mtp_loss, balance_loss, grad_norm = flush()
             elapsed, clock = time.perf_counter() - clock, time.perf_counter()
             tokens_per_s = tokens_since / elapsed
@@ -304,22 +308,32 @@ def main(argv: list[str] | None = None) -> None:
         paused = time.perf_counter()  # validation and saving are not training: keep them out of tokens/s
         if t.val_every and (step % t.val_every == 0 or step == t.steps):
             logger.log(step, evaluate(model, cfg, rank, world, device))
-        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == t.steps):
+        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == t.steps or stopping):
             flush()  # never save over the last good checkpoint with a diverged model
             checkpoint.save(run_dir, step, model, optimizer, {"step": step, "data": loader.state_dict()},
                             cfg.checkpoint.keep, cfg.checkpoint.verify_checksums)
             unconfirmed.append(step)
         clock += time.perf_counter() - paused
-    for step in unconfirmed:  # the last update has no next step to judge it; its own grad norm was judged
-        checkpoint.confirm(run_dir, step, cfg.checkpoint.keep)
-    if cfg.checkpoint.export:
-        checkpoint.export(run_dir / "export", model, mcfg, data_tokenizer(cfg.data.mixture()))
+        if stopping:
+            break
+    stop.restore()
+    if not stopping:
+        for step in unconfirmed:  # the last update has no next step to judge it; its own grad norm was judged
+            checkpoint.confirm(run_dir, step, cfg.checkpoint.keep)
+        if cfg.checkpoint.export:
+            checkpoint.export(run_dir / "export", model, mcfg, data_tokenizer(cfg.data.mixture()))
+    elif rank == 0:
+        saved = (f"saved {run_dir / f'step-{step}'}; continue with: {resume_command(argv)}" if cfg.checkpoint.every
+                 else "nothing saved (checkpoint.every=0)")
+        print(f"stopped by {stopping.name} after step {step} of {t.steps}: {saved}", flush=True)
     logger.close()
     checkpoint.unlock_run_dir(run_dir)
     deepep.close()  # DeepEP's buffer, if any: before the process group goes
     if dist.is_initialized():
         dist.barrier()  # no rank tears the group down while another still talks to it
         dist.destroy_process_group()
+    if stopping:
+        sys.exit(128 + stopping)  # 143 for SIGTERM, 130 for SIGINT: "ended by a signal", which schedulers requeue
 
 
 if __name__ == "__main__":

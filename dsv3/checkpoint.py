@@ -348,9 +348,22 @@ def _restore_rng(path: Path) -> None:
 
 
 def check_init_from(path: str | Path, cfg: ModelConfig) -> None:
-    """Refuse, before anything is built, weights whose shapes this model does not have, naming the [model]
-    overrides that would fit them (read from the config.json an export or convert_hf.py --to-dsv3 writes)."""
+    """Refuse, before anything is built, a checkpoint.init_from that holds no dsv3 weights (no safetensors at all,
+    or a Hugging Face checkpoint: its config.json names a model_type, its tensors are named model.layers.*), or
+    weights of other shapes than this model's, naming the [model] overrides that would fit them (from the
+    config.json an export or convert_hf.py --to-dsv3 writes)."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise UserError(f"checkpoint.init_from={path} holds no *.safetensors: point it at an export, or convert an "
+                        f"HF model with python scripts/convert_hf.py --to-dsv3 HF_DIR OUT_DIR")
     config_json = Path(path) / "config.json"
+    hf_config = config_json.is_file() and "model_type" in json.loads(config_json.read_text())
+    with safe_open(files[0], "pt") as f:
+        hf_names = any(name.startswith("model.") for name in f.keys())
+    if hf_config or hf_names:
+        raise UserError(f"checkpoint.init_from={path} is a Hugging Face checkpoint: convert it first with "
+                        f"python scripts/convert_hf.py --to-dsv3 {path} OUT_DIR, then pass "
+                        f"--checkpoint.init_from=OUT_DIR")
     if not config_json.is_file():
         return  # load_weights still checks every key
     try:

@@ -2,7 +2,7 @@
 (metrics.jsonl, one console line per log step, W&B when enabled).
 
 Metric keys the console line knows (others go to jsonl/W&B only): `loss`, `mtp_loss`, `balance_loss`, `lr`,
-`grad_norm`, `tokens_per_s` (all GPUs together), `mfu` (a fraction, printed as %), `memory/peak_allocated_gib`.
+`grad_norm`, `tokens_per_s` (all ranks together), `mfu` (a fraction, printed as %), `memory/peak_allocated_gib`.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import math
 import netrc
 import os
 import time
+from types import ModuleType
 from urllib.parse import urlparse
 
 import torch
 
-from dsv3.config import Config, ModelConfig
+from dsv3.config import Config, ModelConfig, UserError
 
 
 def active_matmul_params(cfg: ModelConfig) -> int:
@@ -183,6 +184,15 @@ def memory_stats() -> dict[str, float]:
     return {"memory/peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
+def import_wandb() -> ModuleType:
+    """The wandb module, for log.wandb=true: an optional package (requirements.txt does not install it)."""
+    try:
+        import wandb
+    except ImportError:
+        raise UserError("log.wandb=true needs the wandb package: pip install wandb, or drop --log.wandb=true") from None
+    return wandb
+
+
 def _wandb_mode() -> str | None:
     """'offline' when the user chose no WANDB_MODE and no API key is configured (env, or ~/.netrc for the server);
     else None, leaving the mode to wandb. Without this, wandb would stop to ask for a login."""
@@ -286,11 +296,7 @@ class MetricsLogger:
         _rewind(expert_path, start_step)
         self._expert_jsonl = open(expert_path, "a")
         if use_wandb:
-            try:
-                import wandb  # imported here: runs without W&B must not need it installed
-            except ImportError as e:
-                raise ImportError("W&B logging is on (log.wandb = true) but wandb is not installed: "
-                                  "pip install wandb, or turn it off with --log.wandb=false") from e
+            wandb = import_wandb()
             mode = _wandb_mode()
             if mode == "offline":
                 print(f"W&B: no API key configured (WANDB_API_KEY or ~/.netrc), logging offline under "
@@ -324,12 +330,11 @@ class MetricsLogger:
         self._expert_jsonl.write(json.dumps({"step": step, "tokens_per_expert": counts}) + "\n")
         self._expert_jsonl.flush()
         if self._wandb is not None:
-            import wandb
             from matplotlib import pyplot as plt
 
             from dsv3.plots import expert_load_figure
             figure = expert_load_figure([(step, counts)])
-            self._wandb.log({"moe/expert_load": wandb.Image(figure)}, step=step)
+            self._wandb.log({"moe/expert_load": import_wandb().Image(figure)}, step=step)
             plt.close(figure)
 
     def close(self) -> None:

@@ -240,6 +240,14 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
         mtp.block = checkpoint_wrapper(mtp.block, preserve_rng_state=False, **kwargs)
 
 
+def check_compile(enabled: bool, device: torch.device) -> None:
+    """train.compile needs a GPU: on a CPU the model computes in fp32, and torch.compile traces the routed experts'
+    torch._grouped_mm only in bf16."""
+    if enabled and device.type != "cuda":
+        raise UserError("train.compile=true needs a CUDA GPU: on a CPU the routed experts' grouped GEMM runs in "
+                        "fp32, which torch.compile cannot trace; use --train.compile=false")
+
+
 def apply_compile(model: Transformer, backend: str | Callable = "inductor") -> None:
     """torch.compile each block in place (module names, hence checkpoints, are unchanged).
 

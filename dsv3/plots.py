@@ -47,9 +47,10 @@ def _load_map(ax, image, title: str, xlabel: str, x_ticks: list | None, n_expert
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # layer and expert numbers, at any count
     if x_ticks is None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    else:
-        stride = max(1, len(x_ticks) // 12)
-        ax.set_xticks(range(0, len(x_ticks), stride), [str(x) for x in x_ticks[::stride]])
+    else:  # one column per logged step: label the columns nearest to a few round steps, which fit side by side
+        wanted = MaxNLocator(nbins=6, integer=True).tick_values(x_ticks[0], x_ticks[-1])
+        columns = sorted({min(range(len(x_ticks)), key=lambda i: abs(x_ticks[i] - step)) for step in wanted})
+        ax.set_xticks(columns, [str(x_ticks[i]) for i in columns])
     return shown
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -46,6 +47,18 @@ GROUP_ALIGN = {"fp8": 16, "mxfp8": 32, "mxfp8-emulated": 32}
 # so must the tokens of a micro-batch, the inner dim of their weight-gradient GEMM.
 FEATURE_MULTIPLE = {"fp8": 16, "mxfp8": 32, "mxfp8-emulated": 32}
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+class _EnumRegisteredAsConstant(logging.Filter):
+    """torchao 0.18 registers its MX config enums (KernelPreference, ScaleCalculationMode) as pytree constants when
+    imported; torch 2.13 supports enums natively and logs a deprecation warning per class, addressed to torchao,
+    not to whoever trains with it. Only those records are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is an Enum subclass and is now natively supported" not in record.getMessage()
+
+
+logging.getLogger("torch.utils._pytree").addFilter(_EnumRegisteredAsConstant())
 
 
 def _check_modes(precision: str, expert_precision: str, fp8_recipe: str = "tensorwise") -> None:

@@ -22,7 +22,7 @@ CURVES = [
     ("loss.png", "loss", ["loss", "val_loss", "mtp_loss"], False),
     ("lr.png", "learning rate", ["lr"], False),
     ("grad_norm.png", "gradient norm (before clipping)", ["grad_norm"], True),
-    ("tokens_per_s.png", "tokens / s (all GPUs)", ["tokens_per_s"], False),
+    ("tokens_per_s.png", "tokens / s (all ranks together)", ["tokens_per_s"], False),
 ]
 
 
@@ -101,11 +101,11 @@ def plot_runs(runs: list[str], out: str | None = None) -> list[Path]:
     return written
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run directories (checkpoint.dir), overlaid in this order")
     parser.add_argument("--out", default=None, help="where the PNGs go; default: FIRST_RUN/plots")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for path in plot_runs(args.runs, args.out):
         print(path)
 

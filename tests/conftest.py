@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -75,6 +76,16 @@ def deepseek_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
               "tokenizer_class": "LlamaTokenizerFast"}
     (directory / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
     return directory
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers():
+    """train.main catches SIGTERM and SIGINT during its loop and gives them back when the loop ends; a test that
+    raises out of the loop would leave them caught, and Ctrl-C would no longer stop pytest."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="session")

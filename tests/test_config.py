@@ -181,6 +181,26 @@ def test_unknown_override_key_is_an_error_naming_the_valid_keys():
     assert "train" in str(error.value)
 
 
+@pytest.mark.parametrize("override,message", [
+    ("--train.stpes=5", "unknown key train.stpes: did you mean train.steps?"),
+    ("--checkpoint.evry=5", "unknown key checkpoint.evry: did you mean checkpoint.every?"),
+    ("--model.n_layer=2",
+     "unknown model key(s) ['n_layer']: did you mean model.n_layers or model.n_mtp_layers or model.n_dense_layers?"),
+])
+def test_a_mistyped_key_is_an_error_naming_the_keys_it_is_close_to(override, message):
+    with pytest.raises(ValueError) as error:
+        load_config(None, [override]).model_config()
+    assert str(error.value) == message
+
+
+def test_a_wrong_type_is_named_with_its_article():
+    for override, message in (("--train.steps=1.5", "train.steps must be an int, got 1.5"),
+                              ("--train.lr=fast", "train.lr must be a float, got 'fast'")):
+        with pytest.raises(ValueError) as error:
+            load_config(None, [override])
+        assert str(error.value) == message
+
+
 def test_unknown_key_in_the_toml_file_is_an_error(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[train]\nlearning_rate = 3e-4\n")

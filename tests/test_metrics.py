@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from dsv3.config import FLAVORS, load_config
+from dsv3.config import FLAVORS, UserError, load_config
 from dsv3.plan import plan
 from dsv3.metrics import (DivergenceGuard, MetricsLogger, _wandb_mode, active_matmul_params, expert_load_stats,
                           flops_per_token, mfu, parameter_counts, peak_flops, startup_banner)
@@ -195,7 +195,7 @@ def test_disabled_logger_writes_nothing(tmp_path, capsys):
 def test_missing_wandb_is_a_clear_error_only_when_enabled(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
     MetricsLogger(str(tmp_path), {}).close()
-    with pytest.raises(ImportError, match="pip install wandb"):
+    with pytest.raises(UserError, match="pip install wandb"):
         MetricsLogger(str(tmp_path), {}, use_wandb=True)
 
 

@@ -56,3 +56,16 @@ def test_a_run_killed_mid_write_still_plots_and_a_missing_run_is_a_clear_error(t
     assert plot_runs([str(tmp_path / "a")])
     with pytest.raises(UserError, match="no metrics.jsonl"):
         plot_runs([str(tmp_path / "nowhere")])
+
+
+def test_the_expert_load_history_labels_round_steps_that_do_not_overlap():
+    from dsv3.plots import expert_load_figure
+
+    steps = list(range(100, 30001, 100))  # 300 log steps
+    figure = expert_load_figure([], (steps, [[1.5] * len(steps)] * 4))
+    figure.canvas.draw()
+    labels = figure.axes[0].get_xticklabels()
+    assert [label.get_text() for label in labels] == ["100", "5000", "10000", "15000", "20000", "25000", "30000"]
+    boxes = [label.get_window_extent() for label in labels]
+    assert all(left.x1 < right.x0 for left, right in zip(boxes, boxes[1:]))
+

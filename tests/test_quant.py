@@ -5,6 +5,7 @@ checks; on a GPU, short training runs in each mode."""
 import copy
 import json
 import os
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -215,6 +216,18 @@ def test_mxfp8_emulated_experts_follow_the_bf16_experts():
     assert 0 < ((y - y_ref).norm() / y_ref.norm()).item() < 0.1  # measured 0.065: two e4m3 GEMMs
     # fp32 operands (CPU training keeps fp32 weights) are quantized from bf16 and come back in fp32
     assert low.float()(x.float(), counts).dtype == torch.float32
+
+
+def test_mxfp8_emulated_imports_torchao_without_its_enum_deprecation_warnings():
+    """torchao 0.18 registers its config enums as pytree constants, which torch 2.13 deprecates with a warning per
+    enum when torchao is imported: a fresh process, so that nothing imported torchao before."""
+    code = ("import torch; from dsv3 import quant; from dsv3.config import FLAVORS; from dsv3.model import Transformer;"
+            "model = Transformer(FLAVORS['debug']);"
+            "quant.check_precision('mxfp8-emulated', 'low', torch.device('cpu'));"
+            "quant.apply(model, 'mxfp8-emulated', 'low'); print(type(model.layers['0'].attn.wo).__name__)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout == "MXFP8Linear\n", done.stderr
+    assert "Enum subclass" not in done.stderr and "deprecated" not in done.stderr, done.stderr
 
 
 def test_rowwise_fp8_scales_each_row_by_a_power_of_two_that_fills_e4m3():

@@ -1,12 +1,16 @@
 """The trainer end to end, in-process on CPU: it learns the bundled corpus, resumes loss for loss, survives a
-crash mid-save, stops on a non-finite loss before checkpointing, refuses bad input before building a model,
-and exports a model that loads on its own; plus its schedules and gradient accumulation."""
+crash mid-save, stops on a non-finite loss before checkpointing, saves and stops on SIGTERM or Ctrl-C (alone and
+under torchrun), refuses bad input before building a model, and exports a model that loads on its own; plus its
+schedules and gradient accumulation."""
 
 import dataclasses
 import fcntl
 import json
 import math
 import os
+import re
+import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,11 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 
 import train
 from dsv3 import checkpoint
-from dsv3.config import FLAVORS, Config, DataConfig, ModelConfig, TrainConfig, UserError
+from dsv3.config import FLAVORS, Config, DataConfig, ModelConfig, TrainConfig, UserError, run_main
+from dsv3.hf import config_to_hf
 from dsv3.model import Transformer
 from conftest import free_port, load_export, read_metrics, torchrun_vars
 
@@ -160,16 +166,23 @@ def test_resume_continues_exactly(data, tmp_path, monkeypatch, state_dtype):
     monkeypatch.undo()
     resumed = run(tmp_path / "resumed", *schedule, "--checkpoint.every=4", "--resume")
 
-    assert sorted(resumed) == sorted(straight) == list(range(1, 9))
+    assert sorted(straight) == list(range(1, 9))
     assert [straight[s]["global_batch"] for s in range(1, 9)] == [2, 2, 4, 4, 4, 4, 4, 4]
-    for step in range(1, 9):  # every loss, lr, grad norm, expert load and bias stat; only the speed
-        assert resumed[step].keys() == straight[step].keys()  # and the wall clock differ
-        for key, value in straight[step].items():
-            if not key.startswith("tokens_per_s") and key not in ("time", "elapsed_s"):
-                assert resumed[step][key] == value, (step, key)
+    assert_same_training(resumed, straight)
     final = load_export(tmp_path / "resumed" / "export")
     for name, value in load_export(tmp_path / "straight" / "export").items():
         assert torch.equal(final[name], value), name
+
+
+def assert_same_training(resumed: dict[int, dict], straight: dict[int, dict]) -> None:
+    """The same steps with every loss, lr, grad norm, expert load and bias stat equal: only the speed and the wall
+    clock differ."""
+    assert sorted(resumed) == sorted(straight)
+    for step, row in straight.items():
+        assert resumed[step].keys() == row.keys(), step
+        for key, value in row.items():
+            if not key.startswith("tokens_per_s") and key not in ("time", "elapsed_s"):
+                assert resumed[step][key] == value, (step, key)
 
 
 def dcp_metadata(path: Path) -> dict:
@@ -299,8 +312,10 @@ def test_resume_with_no_checkpoint_is_an_error_not_a_fresh_start(data, tmp_path,
     (["--train.val_batches=0"], UserError, "train.val_batches must be >= 1, got 0"),
     (["--train.loss_spike_factor=0.5"], UserError, r"train.loss_spike_factor must be 0 \(off\) or > 1, got 0\.5"),
     (["--checkpoint.dir=/dev/null/run"], UserError, "checkpoint.dir=/dev/null/run cannot be written"),
+    (["--train.device=cpu", "--train.compile=true"], UserError,
+     "^train.compile=true needs a CUDA GPU: .* use --train.compile=false$"),
 ], ids=["flavor", "key", "model-key", "no-value", "no-dashes", "type", "data", "vocab", "batch", "seq-len",
-        "ep", "init-from", "log-every", "val-batches", "spike-factor", "unwritable-dir"])
+        "ep", "init-from", "log-every", "val-batches", "spike-factor", "unwritable-dir", "compile-on-cpu"])
 def test_bad_input_is_a_clear_error_before_the_model_is_built(data, tmp_path, monkeypatch, overrides, error,
                                                                 message):
     def build_model(*args, **kwargs):
@@ -310,6 +325,25 @@ def test_bad_input_is_a_clear_error_before_the_model_is_built(data, tmp_path, mo
     with pytest.raises(error, match=message):
         run(tmp_path, *overrides)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_init_from_a_hugging_face_checkpoint_names_the_conversion_before_building(data, tmp_path, monkeypatch):
+    hf_dir = tmp_path / "DeepSeek-V3-hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["debug"])))
+    save_file({"model.embed_tokens.weight": torch.zeros(4096, 128)}, hf_dir / "model-00001-of-00001.safetensors")
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(UserError, match=rf"^checkpoint.init_from={hf_dir} is a Hugging Face checkpoint: convert it "
+                                        rf"first with python scripts/convert_hf.py --to-dsv3 {hf_dir} OUT_DIR, then "
+                                        r"pass --checkpoint.init_from=OUT_DIR$"):
+        run(tmp_path / "run", *TINY, f"--checkpoint.init_from={hf_dir}")
+
+
+def test_wandb_without_the_package_is_one_line_naming_pip_install_before_building(data, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(UserError, match=r"^log.wandb=true needs the wandb package: pip install wandb"):
+        run(tmp_path, *TINY, "--log.wandb=true")
 
 
 def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(data, tmp_path, monkeypatch):
@@ -336,9 +370,9 @@ def test_a_second_run_on_a_live_runs_directory_is_refused_with_the_holders_pid_a
 
 # --- first contact: what a user sees on the command line -------------------------------------------
 
-def train_py(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`python train.py ARGS` in a fresh process, stdout and stderr captured."""
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, text=True,
+def train_py(*args: str, env: dict[str, str] | None = None, launcher: list[str] = ()) -> subprocess.Popen:
+    """`python [LAUNCHER] train.py ARGS` in a fresh process, stdout and stderr captured."""
+    return subprocess.Popen([sys.executable, *launcher, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -382,6 +416,114 @@ def test_short_run_prints_a_banner_then_step_1_and_no_warnings(data, tmp_path):
     assert f"run dir {tmp_path}" in lines
     assert [line.split(" |")[0] for line in lines if line.startswith("step ")] == ["step 1/3", "step 3/3", "step 3/3"]
     assert (tmp_path / "export" / "model.safetensors.index.json").is_file()
+
+
+# --- stopping like a cluster job: SIGTERM or Ctrl-C saves the step in flight -----------------------------
+
+STOP = [*TINY, "--train.steps=8", "--checkpoint.every=100"]  # no checkpoint but the one a stop writes
+
+
+def signal_after(process: subprocess.Popen, step: int, sig: signal.Signals) -> tuple[str, str]:
+    """Send `sig` to `process` once it logs step `step`; its stdout and stderr, when it has ended."""
+    head = []
+    for line in process.stdout:
+        head.append(line)
+        if line.startswith(f"step {step}/"):
+            process.send_signal(sig)
+            break
+    out, err = process.communicate(timeout=300)
+    return "".join(head) + out, err
+
+
+def stop_line(out: str, sig: signal.Signals, run_dir: Path) -> tuple[int, str]:
+    """(step, resume command) of the line that ends a stopped run's output."""
+    stopped = re.fullmatch(rf"stopped by {sig.name} after step (\d+) of 8: saved {run_dir}/step-(\d+); "
+                           r"continue with: (.*)", out.splitlines()[-1])
+    assert stopped and stopped[1] == stopped[2], out
+    return int(stopped[1]), stopped[3]
+
+
+def test_ctrl_c_saves_the_step_in_flight_exits_130_and_the_printed_command_resumes_exactly(data, tmp_path):
+    straight = run(tmp_path / "straight", *STOP)
+    run_dir = tmp_path / "stopped"
+    args = ["--config", CONFIG, f"--data.path={DATA}", f"--checkpoint.dir={run_dir}", "--log.every=1", *STOP]
+    process = train_py(*args)
+    out, err = signal_after(process, 2, signal.SIGINT)
+    assert process.returncode == 130 and "Traceback" not in err, err
+    step, command = stop_line(out, signal.SIGINT, run_dir)
+    assert 2 <= step < 8
+    assert command == shlex.join(["python", "train.py", *args, "--resume"])
+    assert [p.name for p in checkpoint.checkpoints(run_dir)] == [f"step-{step}"]
+    assert checkpoint.verify(run_dir / f"step-{step}") is None
+
+    train.main(shlex.split(command)[2:])  # python train.py ARGS --resume, in this process
+    assert_same_training(read_metrics(run_dir), straight)
+
+
+def test_sigterm_to_torchrun_stops_both_ranks_after_one_step_saved_and_resumes_exactly(data, tmp_path):
+    """torchrun passes the signal on to its workers (each in its own session, so a terminal's Ctrl-C reaches them
+    this way too), waits for them, then exits 1 itself; rank 0 alone says where the run stopped."""
+    def torchrun(run_dir: Path, *extra: str) -> subprocess.Popen:
+        return train_py("--config", CONFIG, f"--checkpoint.dir={run_dir}", "--train.device=cpu", "--log.every=1",
+                        *STOP, *extra, env=os.environ | {"OMP_NUM_THREADS": "1"},
+                        launcher=["-m", "torch.distributed.run", f"--master_port={free_port()}", "--nproc_per_node=2"])
+
+    reference = torchrun(tmp_path / "straight")
+    assert reference.wait(timeout=300) == 0, reference.stderr.read()
+    run_dir = tmp_path / "stopped"
+    process = torchrun(run_dir)
+    out, err = signal_after(process, 2, signal.SIGTERM)
+    assert process.returncode == 1 and "got signal: 15" in err, err  # torchrun's own SignalException
+    assert sum(line.startswith("stopped by") for line in out.splitlines()) == 1
+    step, command = stop_line(out, signal.SIGTERM, run_dir)
+    assert 2 <= step < 8
+    assert command.startswith("torchrun --nproc_per_node=2 train.py ") and command.endswith(" --resume")
+    assert checkpoint.verify(run_dir / f"step-{step}") is None
+
+    resumed = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--master_port={free_port()}",
+                              *shlex.split(command)[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_training(read_metrics(run_dir), read_metrics(tmp_path / "straight"))
+
+
+def test_signals_during_the_stops_save_change_nothing_and_the_checkpoint_before_stays_intact(data, tmp_path,
+                                                                                             monkeypatch):
+    """SIGTERM during step 3; a Ctrl-C and a second SIGTERM (Slurm's and torchrun's copies of one stop) while its
+    checkpoint is written: the save completes, the run exits 143, and step-2, saved before, is untouched."""
+    args = [*TINY, "--train.steps=5", "--checkpoint.every=2"]
+    stop_at(monkeypatch, 3, lambda model: os.kill(os.getpid(), signal.SIGTERM))
+    real_save = checkpoint.dcp.save
+
+    def save(state, checkpoint_id):
+        if checkpoint_id.endswith("step-3.tmp"):
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(state, checkpoint_id=checkpoint_id)
+
+    monkeypatch.setattr(checkpoint.dcp, "save", save)
+    with pytest.raises(SystemExit) as stopped:
+        run(tmp_path / "stopped", *args)
+    assert stopped.value.code == 143
+    monkeypatch.undo()
+    saved = checkpoint.checkpoints(tmp_path / "stopped")
+    assert [p.name for p in saved] == ["step-2", "step-3"]
+    assert [checkpoint.verify(p) for p in saved] == [None, None]
+    assert [checkpoint.is_confirmed(p) for p in saved] == [True, False]  # step 4 has not vouched for step-3 yet
+
+    resumed = run(tmp_path / "stopped", *args, "--resume")
+    assert sorted(resumed) == [1, 2, 3, 4, 5]
+
+
+def test_ctrl_c_before_training_is_one_line_and_exit_code_130(data, tmp_path, monkeypatch, capsys):
+    def build_model(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "build_model", build_model)
+    with pytest.raises(SystemExit) as stopped:
+        run_main(lambda: run(tmp_path, *TINY))
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err == "interrupted (Ctrl-C)\n"
 
 
 # --- schedules ---------------------------------------------------------------------------------------
