@@ -279,7 +279,8 @@ def test_a_run_with_compute_copies_checkpoints_fp32_weights_and_resumes_exactly(
     expected = [train.train_step(model, optimizer, batches[step - 1], t, step)[0] for step in (3, 4)]
 
     fresh, fresh_optimizer, _ = _with_compute_copies(seed=1)
-    fresh(batches[0][:, :-1])  # its copies now hold its own init
+    with fresh.compute_copies.active():
+        fresh(batches[0][:, :-1])  # its copies now hold its own init
     checkpoint.load(saved, fresh, fresh_optimizer, {"step": 0})
     assert {v.dtype for v in fresh.state_dict().values() if v.is_floating_point()} == {torch.float32}
     got = [train.train_step(fresh, fresh_optimizer, batches[step - 1], t, step)[0] for step in (3, 4)]
