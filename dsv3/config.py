@@ -118,7 +118,8 @@ class ModelConfig:
         if factor > 1 and length <= original:
             return [f"model.rope_factor ({factor}) turns YaRN on, which stretches RoPE past model.original_seq_len "
                     f"({original}), but model.max_seq_len ({length}) does not go past it: set model.rope_factor=1 "
-                    "for plain RoPE (dsv3 configs written before YaRN followed rope_factor kept its old default, 40, there)"]
+                    "for plain RoPE (dsv3 configs written before YaRN followed rope_factor kept its old default, 40, "
+                    "there)"]
         if length > original * factor:
             return [f"model.max_seq_len ({length}) exceeds the {original * factor:g} positions YaRN covers "
                     f"(model.original_seq_len × model.rope_factor = {original} × {factor}): raise model.rope_factor"]

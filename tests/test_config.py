@@ -212,8 +212,8 @@ def test_invalid_model_override_is_caught_when_loading():
 def test_a_sequence_past_the_rope_tables_names_both_ways_to_reach_it():
     """The error once said only "raise max_seq_len", and doing so switched YaRN on (16B: softmax scale × 1.87,
     lowest RoPE frequency ÷ 40) without a word."""
-    with pytest.raises(UserError, match=r"seq_len \(8192\) exceeds model.max_seq_len \(4096\): raise model.max_seq_len; "
-                                        r"past model.original_seq_len \(4096\).*model.rope_factor > 1"):
+    with pytest.raises(UserError, match=r"seq_len \(8192\) exceeds model.max_seq_len \(4096\): raise "
+                                        r"model.max_seq_len; past model.original_seq_len \(4096\).*rope_factor > 1"):
         load_config(None, ["--flavor=16B", "--train.seq_len=8192"])
     with pytest.raises(UserError, match=r"model.max_seq_len \(8192\) exceeds model.original_seq_len \(4096\) with "
                                         r"plain RoPE"):
