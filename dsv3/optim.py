@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -35,12 +36,28 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 16) & 0xFFFF)
 
 
+_STRIDE = -1640531535  # 0x9E3779B1, the golden-ratio stride: consecutive elements' hash inputs
+
+
 def random_bits(like: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
     """32 random bits (int32) per element of `like`, a hash of (seed, element index): counter-based, so it costs a
     few integer ops where a Philox stream made the fused update compute-bound, and a step rounds the same way
     whatever ran before it (an exact resume needs no RNG state)."""
     index = torch.arange(like.numel(), device=like.device).view(like.shape)
-    return _mix32((index * -1640531535 + seed).int())  # 0x9E3779B1: the golden-ratio stride
+    return _mix32((index * _STRIDE + seed).int())
+
+
+def rounding_salt(index: int, param: torch.Tensor) -> int:
+    """What `adamw_update` adds to the step's seed for this tensor: its `index` among the optimizer's parameters,
+    hashed, so that tensors draw unrelated noise, and the global offset of this rank's shard (a block of rows), so
+    that element i of a shard hashes as element offset + i of the whole tensor: shards draw different noise, and a
+    tensor rounds the same way however it is sharded. Without it, every tensor and every shard drew the same stream,
+    unbiased element by element but with rounding errors correlated across tensors and ranks."""
+    offset = 0
+    if isinstance(param, DTensor):
+        first = param.__create_chunk_list__()[0].offsets  # this shard's first element, as DCP finds it
+        offset = sum(o * math.prod(param.shape[d + 1:]) for d, o in enumerate(first))
+    return (int(_mix32(torch.tensor(index, dtype=torch.int32))) + offset * _STRIDE) % 2**32
 
 
 def round_to_bf16_stochastically(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -53,9 +70,11 @@ def round_to_bf16_stochastically(x: torch.Tensor, noise: torch.Tensor) -> torch.
 def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  lr: torch.Tensor, weight_decay: float, beta1: float, beta2: float, eps: float,
                  bias_correction1: torch.Tensor, bias_correction2_sqrt: torch.Tensor,
-                 grad_scale: torch.Tensor, seed: torch.Tensor, compute_copy: torch.Tensor | None = None) -> None:
+                 grad_scale: torch.Tensor, seed: torch.Tensor, salt: torch.Tensor,
+                 compute_copy: torch.Tensor | None = None) -> None:
     """One AdamW step of one tensor, in place; fp32 math whatever the moments' dtype. `seed` varies the
-    stochastic rounding from step to step; `compute_copy`, if given, receives the new θ in its dtype."""
+    stochastic rounding from step to step, `salt` (`rounding_salt`) from tensor to tensor and shard to shard;
+    `compute_copy`, if given, receives the new θ in its dtype."""
     g = grad.float() * grad_scale
     m = exp_avg.float().lerp(g, 1 - beta1)
     v = torch.addcmul(exp_avg_sq.float() * beta2, g, g, value=1 - beta2)
@@ -64,7 +83,7 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if compute_copy is not None:
         compute_copy.copy_(param)
     if exp_avg.dtype == torch.bfloat16:
-        bits = random_bits(m, seed)  # one hash for both moments: 16 bits each
+        bits = random_bits(m, seed + salt)  # one hash for both moments: 16 bits each
         exp_avg.copy_(round_to_bf16_stochastically(m, bits & 0xFFFF))
         exp_avg_sq.copy_(round_to_bf16_stochastically(v, (bits >> 16) & 0xFFFF))
     else:
@@ -167,6 +186,8 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.state_dtype = state_dtype
         self.compute_copies = compute_copies
+        params = [p for group in self.param_groups for p in group["params"]]
+        self.salts = {p: torch.tensor(rounding_salt(i, p), device=_flat_local(p).device) for i, p in enumerate(params)}
         self.register_load_state_dict_post_hook(_moments_back_to_state_dtype)
 
     def _updates(self, params: list[nn.Parameter]) -> Iterable[tuple[nn.Parameter, torch.Tensor, torch.Tensor | None]]:
@@ -214,4 +235,4 @@ class AdamW(torch.optim.Optimizer):
                 update = _adamw_update_cuda if param.is_cuda else adamw_update
                 update(param, _flat_local(grad), _flat_local(state["exp_avg"]), _flat_local(state["exp_avg_sq"]),
                        lr, group["weight_decay"], beta1, beta2, group["eps"], bias_correction1,
-                       bias_correction2_sqrt, scale, seed, None if copy is None else copy.view(-1))
+                       bias_correction2_sqrt, scale, seed, self.salts[p], None if copy is None else copy.view(-1))

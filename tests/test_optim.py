@@ -3,15 +3,21 @@ unbiased bf16 rounding of the moments, and bf16 moments that train the debug mod
 one GPU's mixed precision, built here on a CPU model: the model holds its fp32 parameters outside `active()`
 whatever happens inside, and micro-batches' gradients add up in fp32 as backward produces them."""
 
+import os
 from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from dsv3 import optim, parallel
 from dsv3.config import FLAVORS, Config, TrainConfig
 from dsv3.model import Transformer
 from train import build_model, build_optimizer, train_step
+from conftest import free_port
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:
@@ -76,6 +82,46 @@ def test_random_bits_are_uniform_in_both_halves_and_new_for_each_seed():
         assert ((counts - 4096) ** 2 / 4096).sum() < 50  # χ², 15 degrees of freedom: 50 is p < 1e-5
     assert (bits != optim.random_bits(like, torch.tensor(12346))).float().mean() > 0.99
     assert torch.equal(bits, optim.random_bits(like, torch.tensor(12345)))
+
+
+def _bf16_moments_after_one_step(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """m = 0.1·g lies between two bf16 values: the stochastic rounding decides every element."""
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer = optim.AdamW(params, lr=1e-2, state_dtype=torch.bfloat16)
+    optimizer.step()
+    return [optimizer.state[p]["exp_avg"] for p in params]
+
+
+def test_each_tensor_draws_its_own_rounding_noise():
+    """The hash once read only (step, element index): two tensors rounded alike, their errors correlated."""
+    first, second = _bf16_moments_after_one_step([torch.nn.Parameter(torch.zeros(4096)) for _ in range(2)])
+    assert set(first.float().unique().tolist()) == {0.099609375, 0.10009765625}  # the two bf16 neighbours of 0.1
+    assert (first != second).float().mean() > 0.3  # independent draws differ in about half the elements
+
+
+def _sharded_moments_worker(rank: int, port: int, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    param = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 512), mesh, [Shard(0)]))
+    (moments,) = _bf16_moments_after_one_step([param])
+    full = moments.full_tensor()
+    if rank == 0:
+        torch.save(full, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_shards_draw_the_noise_of_their_rows_of_the_whole_tensor(tmp_path):
+    """At two ranks each shard once drew the stream of a tensor starting at element 0: the same noise on every
+    rank. Now a shard hashes its elements' places in the whole tensor, so the sharded run rounds as one process."""
+    out = tmp_path / "moments.pt"
+    mp.spawn(_sharded_moments_worker, args=(free_port(), str(out)), nprocs=2)
+    sharded = torch.load(out)
+    (whole,) = _bf16_moments_after_one_step([torch.nn.Parameter(torch.zeros(8, 512))])
+    assert torch.equal(sharded, whole)
+    assert (whole[:4] != whole[4:]).float().mean() > 0.3  # the two shards' rows drew different noise
 
 
 def test_bf16_state_is_bf16_and_trains_the_debug_model_like_fp32_state():

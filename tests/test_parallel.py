@@ -136,7 +136,8 @@ def test_sharded_training_matches_single_process(world, ep, ac, reference, tmp_p
 
 def test_bf16_adamw_moments_are_sharded_like_their_parameters_and_track_the_single_process_run(tmp_path):
     """FSDP2 + EP 2 with `optimizer_state_dtype=bf16`: every moment is a bf16 DTensor shard, and the run tracks
-    one process's (stochastic rounding draws differ per shard, so not bit for bit)."""
+    one process's (the shards draw the whole tensor's rounding noise, but sharded reductions sum in another order,
+    so not bit for bit)."""
     train = replace(TRAIN, optimizer_state_dtype="bf16")
     torch.manual_seed(0)
     reference = _run(Transformer(CFG), _batches(), 0, 1, train)
