@@ -9,6 +9,7 @@ SIGTERM or Ctrl-C: the step in flight finishes and is saved, and the run exits 1
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -62,19 +63,18 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torc
     has it sum full unsharded gradients until the last one: fewer collectives, but a full fp32 gradient per rank.
     Returns ([main, mtp, balance, grad_norm] as one device tensor, global tokens_per_expert [L, E])."""
     micro_batches = batch.split(t.micro_batch)
-    compute_copies = getattr(optimizer, "compute_copies", None)
+    copies = getattr(model, "compute_copies", None)  # one GPU: bf16 copies of the fp32 weights (dsv3.optim)
     mtp_weight = mtp_lambda_at(step, t) / max(len(model.mtp), 1)
     losses = torch.zeros(3, device=batch.device)
     tokens_per_expert = 0
     for i, micro in enumerate(micro_batches):
         if accumulate_unsharded_grads:
             parallel.set_gradient_sync(model, i == len(micro_batches) - 1)
-        out = model(micro[:, :-1], micro[:, 1:])
-        mtp_loss = torch.stack(out.mtp_losses).sum() if out.mtp_losses else torch.zeros_like(out.loss)
-        total = out.loss + mtp_weight * mtp_loss + t.balance_alpha * out.balance_loss
-        (total / len(micro_batches)).backward()
-        if compute_copies is not None and len(micro_batches) > 1:
-            compute_copies.accumulate_grads()
+        with copies.active(accumulate=len(micro_batches) > 1) if copies else contextlib.nullcontext():
+            out = model(micro[:, :-1], micro[:, 1:])
+            mtp_loss = torch.stack(out.mtp_losses).sum() if out.mtp_losses else torch.zeros_like(out.loss)
+            total = out.loss + mtp_weight * mtp_loss + t.balance_alpha * out.balance_loss
+            (total / len(micro_batches)).backward()
         losses += torch.stack([out.loss, mtp_loss / max(len(out.mtp_losses), 1), out.balance_loss]).detach()
         tokens_per_expert = tokens_per_expert + out.tokens_per_expert
     if isinstance(optimizer, optim.AdamW):  # clipping folded into the update: no pass of its own over the grads
@@ -102,6 +102,7 @@ def evaluate(model: Transformer, cfg: Config, rank: int, world: int, device: tor
     size, so val losses of differently sharded runs compare. `val_loss` weighs the sources by their shares; with
     several sources each has its own `val_loss/NAME` too."""
     t = cfg.train
+    copies = getattr(model, "compute_copies", None)
     model.eval()  # the main loss only: no MTP modules, no balance loss
     losses = {}
     for name, path, _ in cfg.data.mixture():
@@ -110,7 +111,8 @@ def evaluate(model: Transformer, cfg: Config, rank: int, world: int, device: tor
         total = torch.zeros((), device=device)
         for _ in range(n_batches):
             for micro in loader.next_batch(t.global_batch).to(device).split(t.micro_batch):
-                total += model(micro[:, :-1], micro[:, 1:]).loss * micro.size(0)
+                with copies.active() if copies else contextlib.nullcontext():
+                    total += model(micro[:, :-1], micro[:, 1:]).loss * micro.size(0)
         losses[name] = parallel.all_reduce_sum(total).item() / (n_batches * t.global_batch)
     model.train()
     result = {"val_loss": sum(share * losses[name] for name, _, share in cfg.data.mixture())}

@@ -22,7 +22,7 @@ import socket
 import sys
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -68,6 +68,22 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _on_rank_0(what: str, action: Callable[[], None]) -> None:
+    """Run the filesystem step `action` on rank 0 alone; if it fails, every rank raises the same error. With a bare
+    barrier after it, the other ranks waited there for a rank that had left, until the collective's timeout."""
+    failure = None
+    if _rank() == 0:
+        try:
+            action()
+        except Exception as e:
+            failure = e
+    report = [None if failure is None else f"{what} failed on rank 0: {type(failure).__name__}: {failure}"]
+    if dist.is_initialized():
+        dist.broadcast_object_list(report, src=0)
+    if report[0] is not None:
+        raise RuntimeError(report[0]) from failure
+
+
 def checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoints, oldest first (unfinished `*.tmp` ones are ignored)."""
     run_dir = Path(run_dir)
@@ -110,12 +126,15 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
         torch.save(_rng_state(), tmp / f"rng-{_rank()}.pt")  # per rank: DCP keeps one copy of a plain tensor
         _barrier()
         manifest = _describe(tmp, checksums)  # every rank hashes a share of the files
-        if _rank() == 0:
+
+        def publish() -> None:
             _write_json(tmp / MANIFEST, {"files": manifest})
             (tmp / UNCONFIRMED).touch()
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             _rotate(run_dir, keep)
+
+        _on_rank_0(f"renaming checkpoint {tmp} to {final}", publish)
     except Exception as e:
         # DCP and torch.save may wrap the OS error in their own (torch.save: "enforce fail at inline_container")
         disk_full = getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e)
@@ -125,15 +144,17 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
                           f"there, then --resume (the last complete checkpoint, "
                           f"{previous[-1] if previous else 'none'}, is untouched)") from e
         raise
-    _barrier()
     return final
 
 
 def confirm(run_dir: str | Path, step: int, keep: int) -> None:
     """Mark step-{step} healthy (the step after it trained with a sane loss) and rotate."""
-    if _rank() == 0:
+
+    def mark_and_rotate() -> None:
         (Path(run_dir) / f"step-{step}" / UNCONFIRMED).unlink(missing_ok=True)
         _rotate(Path(run_dir), keep)
+
+    _on_rank_0(f"confirming checkpoint step-{step} in {run_dir}", mark_and_rotate)
 
 
 def is_confirmed(path: Path) -> bool:
@@ -144,11 +165,13 @@ def discard_after(run_dir: str | Path, step: int) -> Path | None:
     """After a divergence: move every checkpoint newer than `step` aside (as `step-N.diverged`, kept for
     inspection) so that `--resume` loads weights from before it; returns the newest one left."""
     run_dir = Path(run_dir)
-    if _rank() == 0:
+
+    def move_newer_aside() -> None:
         for path in checkpoints(run_dir):
             if step_of(path) > step:
                 _move_aside(path, ".diverged")
-    _barrier()
+
+    _on_rank_0(f"moving the checkpoints after step {step} in {run_dir} aside", move_newer_aside)
     kept = checkpoints(run_dir)
     return kept[-1] if kept else None
 
@@ -238,8 +261,7 @@ def resume_from(run_dir: str | Path, checksums: bool = True) -> Path:
         if _rank() == 0:
             print(f"warning: checkpoint {path} is damaged: {problem}; moved aside as {path.name}.corrupt, "
                   f"trying the previous one", file=sys.stderr, flush=True)
-            _move_aside(path, ".corrupt")
-        _barrier()
+        _on_rank_0(f"moving {path} aside", lambda: _move_aside(path, ".corrupt"))
     raise UserError(f"--resume: no checkpoint in checkpoint.dir={run_dir} is intact (each one is now *.corrupt): "
                     f"restore one from a backup, or drop --resume to start a new run")
 

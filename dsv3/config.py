@@ -67,11 +67,11 @@ class ModelConfig:
     qk_nope_head_dim: int = 128  # per-head query/key dim without RoPE d_h
     qk_rope_head_dim: int = 64  # per-head query/key dim with RoPE d_h^R
     v_head_dim: int = 128  # per-head value dim
-    # RoPE / YaRN (YaRN is on only when max_seq_len > original_seq_len)
+    # RoPE / YaRN (YaRN is on only when rope_factor > 1)
     max_seq_len: int = 4096  # longest sequence the RoPE tables cover
-    original_seq_len: int = 4096  # pretraining context; YaRN stretches beyond it
+    original_seq_len: int = 4096  # context trained with plain RoPE; YaRN stretches it to max_seq_len
     rope_theta: float = 10000.0  # RoPE base
-    rope_factor: float = 40.0  # YaRN scale factor s
+    rope_factor: float = 1.0  # YaRN scale factor s; 1: plain RoPE, no YaRN
     beta_fast: int = 32  # YaRN: rotations below which frequencies are interpolated
     beta_slow: int = 1  # YaRN: rotations above which frequencies are kept
     mscale: float = 1.0  # YaRN attention-temperature coefficient
@@ -92,6 +92,7 @@ class ModelConfig:
                 problems.append(f"model.{name} must be >= 0, got {getattr(self, name)}")
         if self.qk_rope_head_dim % 2:
             problems.append(f"model.qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
+        problems += self._rope_problems()
         if self.n_dense_layers > self.n_layers:
             problems.append(f"model.n_dense_layers ({self.n_dense_layers}) exceeds model.n_layers ({self.n_layers})")
         if self.score_func not in ("softmax", "sigmoid"):
@@ -109,6 +110,26 @@ class ModelConfig:
                                 f"{reachable} experts in the {self.n_limited_groups} limited groups")
         if problems:
             raise UserError("invalid model config: " + "; ".join(problems))
+
+    def _rope_problems(self) -> list[str]:
+        """YaRN only where rope_factor asks for it, and then only past original_seq_len: there DeepSeek's code
+        (YaRN when max_seq_len > original_seq_len) and transformers' (YaRN whenever rope_scaling is set) agree."""
+        length, original, factor = self.max_seq_len, self.original_seq_len, self.rope_factor
+        if not factor >= 1:
+            return [f"model.rope_factor must be >= 1 (1: plain RoPE), got {factor}"]
+        if factor == 1 and length > original:
+            return [f"model.max_seq_len ({length}) exceeds model.original_seq_len ({original}) with plain RoPE "
+                    "(rope_factor 1): to train at that length raise model.original_seq_len with it; to stretch a "
+                    "model trained at original_seq_len, set model.rope_factor > 1 (YaRN)"]
+        if factor > 1 and length <= original:
+            return [f"model.rope_factor ({factor}) turns YaRN on, which stretches RoPE past model.original_seq_len "
+                    f"({original}), but model.max_seq_len ({length}) does not go past it: set model.rope_factor=1 "
+                    "for plain RoPE (dsv3 configs written before YaRN followed rope_factor kept its old default, 40, "
+                    "there)"]
+        if length > original * factor:
+            return [f"model.max_seq_len ({length}) exceeds the {original * factor:g} positions YaRN covers "
+                    f"(model.original_seq_len × model.rope_factor = {original} × {factor}): raise model.rope_factor"]
+        return []
 
     @property
     def qk_head_dim(self) -> int:
@@ -392,7 +413,10 @@ def validate(cfg: Config) -> None:
         raise UserError(f"train.grad_clip must be > 0, got {t.grad_clip}: it is the largest global gradient norm "
                         "kept; for no clipping set a large value, e.g. 1e9")
     if t.seq_len > mc.max_seq_len:
-        raise UserError(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({mc.max_seq_len})")
+        past = (f"; past model.original_seq_len ({mc.original_seq_len}), raise that with it to train with plain RoPE, "
+                "or set model.rope_factor > 1 to stretch it with YaRN" if t.seq_len > mc.original_seq_len else "")
+        raise UserError(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({mc.max_seq_len}): raise "
+                        f"model.max_seq_len{past}")
     if t.global_batch % t.micro_batch:
         raise UserError(f"train.global_batch ({t.global_batch}) must be a multiple of train.micro_batch "
                         f"({t.micro_batch})")

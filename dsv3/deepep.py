@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dsv3.config import UserError
-from dsv3.moe import combine_token_copies, pad_groups
+from dsv3.moe import combine_token_copies, pad_groups, pads_groups
 
 SUPPORTED_EP = (2, 4, 8)  # DeepEP's intranode (NVLink) kernels; more ranks need its NVSHMEM internode build
 _buffer = None  # the process's deep_ep.Buffer
@@ -158,7 +158,8 @@ class DeepEPDispatcher:
         order, expert_of_row, tokens_per_local_expert = expert_rows(recv_idx, self.n_local, n_rows)
         expert_x = recv_x[order // recv_idx.size(1)]
         rows = None
-        if self.align > 1 or not n_rows:  # N varies by step: few buffer sizes; none received: one row
+        # N varies by step: few buffer sizes (bucket); none received: zero rows for every expert
+        if pads_groups(self.align, x.device) or not n_rows:
             expert_x, tokens_per_local_expert, rows = pad_groups(
                 expert_x, expert_of_row, tokens_per_local_expert, self.align, bucket=True)
         return expert_x, tokens_per_local_expert, (order, recv_weights, rows, handle)

@@ -64,8 +64,9 @@ _BLOCK_FROM_HF = {hf: ours for ours, hf in _BLOCK.items()}
 _MTP_FROM_HF = {hf: ours for ours, hf in _MTP.items()}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _PER_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-# ModelConfig's YaRN parameters, which HF's config holds only while YaRN is on
-_YARN_FIELDS = ("original_seq_len", "rope_factor", "beta_fast", "beta_slow", "mscale")
+# ModelConfig's YaRN parameters, which HF's config holds only while YaRN is on; rope_factor is not among them:
+# HF's rope_scaling says whether YaRN is on, and without it RoPE is plain (rope_factor 1)
+_YARN_FIELDS = ("original_seq_len", "beta_fast", "beta_slow", "mscale")
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -113,7 +114,7 @@ def _yarn_from_hf(rope: dict, max_seq_len: int) -> dict:
     factor = rope.get("factor") or max_seq_len / original
     if max_seq_len <= original:
         raise ValueError(f"YaRN with max_position_embeddings {max_seq_len} <= original_max_position_embeddings "
-                         f"{original}: dsv3 applies YaRN only past the original length, transformers always")
+                         f"{original}: transformers applies it there, DeepSeek's code does not, dsv3 refuses it")
     # transformers also scales cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim); dsv3 (like
     # DeepSeek's own code) scales only the softmax, so the two must cancel, as in DeepSeek's configs.
     m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
@@ -181,9 +182,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     }
     # The ModelConfig fields HF has no place for, so that --to-hf then --to-dsv3 gives back the same config
     # (transformers keeps unknown keys): the init std (HF's initializer_range is its own default, not ours),
-    # and YaRN's parameters while it is off, which matter again once a run raises max_seq_len.
+    # and YaRN's parameters while it is off, which matter again once a run sets rope_factor.
     d["dsv3"] = {"init_std": cfg.init_std}
-    if cfg.max_seq_len > cfg.original_seq_len:
+    if cfg.rope_factor > 1:
         d["rope_scaling"] = {"type": "yarn", "factor": cfg.rope_factor,
                              "original_max_position_embeddings": cfg.original_seq_len,
                              "beta_fast": cfg.beta_fast, "beta_slow": cfg.beta_slow,

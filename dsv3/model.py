@@ -1,8 +1,8 @@
 """DeepSeek-V3 (arXiv 2412.19437), plain single-device PyTorch.
 
 Notable: MLA with a decoupled shared-head RoPE key (§2.1.1) in its training ("naive") form; interleaved
-RoPE with YaRN, on only past `original_seq_len`; DeepSeekMoE blocks after the first `n_dense_layers`
-(dsv3.moe); D multi-token-prediction modules (§2.2) sharing the embedding and the output head.
+RoPE, with YaRN only where the config asks for it (`rope_factor` > 1); DeepSeekMoE blocks after the first
+`n_dense_layers` (dsv3.moe); D multi-token-prediction modules (§2.2) sharing the embedding and the output head.
 `model(tokens)` gives logits; `model(tokens, targets)` gives the losses separately (`TrainOutput`); in eval mode
 only the main loss is computed (no MTP modules, no balance loss).
 Sharding, low precision, compile and activation checkpointing are applied from outside (train.py).
@@ -37,10 +37,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """Rotation angle per (position, pair) [max_seq_len, d_r/2], with YaRN when max_seq_len > original_seq_len."""
+    """Rotation angle per (position, pair) [max_seq_len, d_r/2], with YaRN when rope_factor > 1."""
     dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    if cfg.max_seq_len > cfg.original_seq_len:
+    if cfg.rope_factor > 1:
         # YaRN: keep high frequencies (fast rotations), interpolate low ones by rope_factor, ramp between.
         def correction_dim(n_rotations: float) -> float:
             return dim * math.log(cfg.original_seq_len / (n_rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -86,7 +86,7 @@ class MLA(nn.Module):
                                bias=False)
         self.wo = nn.Linear(self.n_heads * self.v_head_dim, cfg.dim, bias=False)
         self.softmax_scale = qk_head_dim ** -0.5
-        if cfg.max_seq_len > cfg.original_seq_len:
+        if cfg.rope_factor > 1:  # YaRN's attention temperature
             mscale = 0.1 * cfg.mscale * math.log(cfg.rope_factor) + 1.0
             self.softmax_scale *= mscale * mscale
 

@@ -68,7 +68,8 @@ class LocalDispatcher:
       combine(expert_y [N, D], ctx) -> y [T, D] = Σ_k g_k · expert_y of token t's k-th copy
       wait(y) -> y, readable: combine may return while its exchange is still in flight (DeepEP), so that
           the shared experts overlap it; a no-op for the others
-      align: every group of expert_x starts at a multiple of it (`pad_groups`); 1 = no padding.
+      align: every group of expert_x starts at a multiple of it (`pad_groups`); 1 = no padding, unless
+          `pads_groups` says the device needs it.
     """
 
     def __init__(self, align: int = 1):
@@ -80,7 +81,7 @@ class LocalDispatcher:
         order = flat_idx.argsort(stable=True)  # token copies sorted by expert
         expert_x = x[order // topk_idx.size(1)]
         rows = None
-        if self.align > 1:
+        if pads_groups(self.align, x.device):
             expert_x, tokens_per_expert, rows = pad_groups(expert_x, flat_idx[order], tokens_per_expert, self.align)
         return expert_x, tokens_per_expert, (order, topk_weights, rows)
 
@@ -94,14 +95,30 @@ class LocalDispatcher:
         return y
 
 
+def pads_groups(align: int, device: torch.device) -> bool:
+    """Whether a dispatcher hands the experts `pad_groups`' buffer: for the low-precision grouped GEMMs (align > 1),
+    and wherever groups without rows break the bf16 one."""
+    return align > 1 or _empty_groups_break_grouped_mm(device)
+
+
+@torch.compiler.assume_constant_result
+def _empty_groups_break_grouped_mm(device: torch.device) -> bool:
+    """torch's bf16 `_grouped_mm` on compute capability 10.x (B200) gives groups of no rows non-zero weight
+    gradients (pytorch #172439); Hopper and the CPU give zeros."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
+
+
 def pad_groups(x: torch.Tensor, expert_of_row: torch.Tensor, counts: torch.Tensor, align: int,
                bucket: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Move rows x [N, D], sorted by expert (expert_of_row [N], counts [E]), into a zero buffer in which every
-    expert's group starts at a multiple of `align`, as the low-precision grouped GEMMs need.
+    expert's group starts at a multiple of `align`, as the low-precision grouped GEMMs need, and holds at least
+    `align` rows: an expert without tokens gets zero rows, whose weight gradient is exactly zero, where a group of
+    no rows gets a non-zero one from the bf16 `_grouped_mm` on B200 (pytorch #172439). torchao pads empty groups
+    to the alignment the same way.
 
-    The buffer has M = round_up(max(N + E·(align−1), 1), align) rows, the most padding E groups can need, so no
-    count reaches the host; at least one, so that an expert-parallel rank that received no tokens (N = 0) still
-    runs its grouped GEMMs on a real row: their backward rejects an empty input on CUDA.
+    The buffer has M = round_up(N + E·align, align) rows, the most padding E groups can need, so no count reaches
+    the host; an expert-parallel rank that received no tokens (N = 0) still runs its grouped GEMMs on real rows:
+    their backward rejects an empty input on CUDA.
     `bucket` rounds M further up to one of 16 sizes per octave (at most 1/16 more rows), for
     dispatchers whose N changes every step: torchao's Triton kernels autotune anew for every row count.
     The slack after the last group goes to the last expert: zero rows give zero outputs, and every row belongs
@@ -109,9 +126,9 @@ def pad_groups(x: torch.Tensor, expert_of_row: torch.Tensor, counts: torch.Tenso
     Returns (x_padded [M, D], padded counts [E] summing to M, rows [N]: the buffer row of each row of x).
     """
     n_experts = counts.numel()
-    size = max(x.size(0) + n_experts * (align - 1), 1)
+    size = x.size(0) + n_experts * align
     size = _bucketed(size, align) if bucket else -(-size // align) * align
-    padded = (counts + align - 1) // align * align  # [E]
+    padded = (counts.clamp(min=1) + align - 1) // align * align  # [E], an empty group a block of `align` rows
     starts = padded.cumsum(0) - padded  # [E] group starts in the buffer
     shift = starts - (counts.cumsum(0) - counts)  # [E] how far each group moves down
     rows = torch.arange(x.size(0), device=x.device) + shift[expert_of_row]  # [N]

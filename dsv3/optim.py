@@ -11,7 +11,10 @@ rounded to nearest, an update of v smaller than half a bf16 ulp (2⁻⁹ to 2⁻
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import functools
+import math
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -33,12 +36,28 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 16) & 0xFFFF)
 
 
+_STRIDE = -1640531535  # 0x9E3779B1, the golden-ratio stride: consecutive elements' hash inputs
+
+
 def random_bits(like: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
     """32 random bits (int32) per element of `like`, a hash of (seed, element index): counter-based, so it costs a
     few integer ops where a Philox stream made the fused update compute-bound, and a step rounds the same way
     whatever ran before it (an exact resume needs no RNG state)."""
     index = torch.arange(like.numel(), device=like.device).view(like.shape)
-    return _mix32((index * -1640531535 + seed).int())  # 0x9E3779B1: the golden-ratio stride
+    return _mix32((index * _STRIDE + seed).int())
+
+
+def rounding_salt(index: int, param: torch.Tensor) -> int:
+    """What `adamw_update` adds to the step's seed for this tensor: its `index` among the optimizer's parameters,
+    hashed, so that tensors draw unrelated noise, and the global offset of this rank's shard (a block of rows), so
+    that element i of a shard hashes as element offset + i of the whole tensor: shards draw different noise, and a
+    tensor rounds the same way however it is sharded. Without it, every tensor and every shard drew the same stream,
+    unbiased element by element but with rounding errors correlated across tensors and ranks."""
+    offset = 0
+    if isinstance(param, DTensor):
+        first = param.__create_chunk_list__()[0].offsets  # this shard's first element, as DCP finds it
+        offset = sum(o * math.prod(param.shape[d + 1:]) for d, o in enumerate(first))
+    return (int(_mix32(torch.tensor(index, dtype=torch.int32))) + offset * _STRIDE) % 2**32
 
 
 def round_to_bf16_stochastically(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -51,9 +70,11 @@ def round_to_bf16_stochastically(x: torch.Tensor, noise: torch.Tensor) -> torch.
 def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  lr: torch.Tensor, weight_decay: float, beta1: float, beta2: float, eps: float,
                  bias_correction1: torch.Tensor, bias_correction2_sqrt: torch.Tensor,
-                 grad_scale: torch.Tensor, seed: torch.Tensor, compute_copy: torch.Tensor | None = None) -> None:
+                 grad_scale: torch.Tensor, seed: torch.Tensor, salt: torch.Tensor,
+                 compute_copy: torch.Tensor | None = None) -> None:
     """One AdamW step of one tensor, in place; fp32 math whatever the moments' dtype. `seed` varies the
-    stochastic rounding from step to step; `compute_copy`, if given, receives the new θ in its dtype."""
+    stochastic rounding from step to step, `salt` (`rounding_salt`) from tensor to tensor and shard to shard;
+    `compute_copy`, if given, receives the new θ in its dtype."""
     g = grad.float() * grad_scale
     m = exp_avg.float().lerp(g, 1 - beta1)
     v = torch.addcmul(exp_avg_sq.float() * beta2, g, g, value=1 - beta2)
@@ -62,7 +83,7 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if compute_copy is not None:
         compute_copy.copy_(param)
     if exp_avg.dtype == torch.bfloat16:
-        bits = random_bits(m, seed)  # one hash for both moments: 16 bits each
+        bits = random_bits(m, seed + salt)  # one hash for both moments: 16 bits each
         exp_avg.copy_(round_to_bf16_stochastically(m, bits & 0xFFFF))
         exp_avg_sq.copy_(round_to_bf16_stochastically(v, (bits >> 16) & 0xFFFF))
     else:
@@ -76,60 +97,75 @@ _adamw_update_cuda = torch.compile(adamw_update, dynamic=True)
 
 
 class ComputeCopies:
-    """FSDP2's mixed precision for a model that is not sharded (one rank): forward and backward compute with
-    `dtype` copies of the fp32 parameters, which stay the model's parameters everywhere else (optimizer state,
-    checkpoints, export). Without FSDP's casts and copies in and out of its buffers, nothing moves but the math.
+    """FSDP2's mixed precision for a model that is not sharded (one rank): inside `active()`, forward and backward
+    compute with `dtype` copies of the fp32 parameters; outside it, the model holds its fp32 parameters (optimizer
+    state, checkpoints, export), whichever way `active()` was left, an exception included. Without FSDP's casts and
+    copies in and out of its buffers, nothing moves but the math.
 
-    The root forward swaps the copies in; they are swapped back out when the backward of its loss ends (an
-    activation-checkpointed block recomputes with them) or, without autograd, when the forward returns. A copy is
-    remade when its parameter changed since (a load, an init); `AdamW` writes it in its update instead. Gradients
-    land on the copies; those of several micro-batches add up in fp32 (`accumulate_grads`), as FSDP's did."""
+    A copy is written by the optimizer's update (`updates`), in the same pass as its parameter; entering `active()`
+    remakes it when its parameter changed otherwise since (an init, a load: any in-place write, which bumps
+    `_version`, or a new tensor bound to `p.data`). An in-place write through `p.data` is invisible to both: write
+    parameters in place under `torch.no_grad()`, as `init_weights` and `load_state_dict` do.
+    Gradients land on the copies. With `active(accumulate=True)` (several micro-batches), each copy's gradient is
+    added into its parameter's fp32 one as soon as backward has produced it, and freed at once, as FSDP's fp32
+    reduce-scatter does: bf16 gradients never pile up beyond the block that backward is in."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype):
         self.slots = [(module, name, p) for module in model.modules()
                       for name, p in module._parameters.items() if p is not None]
         self.copy_of = {p: nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
                         for _, _, p in self.slots}
-        self.made_at: dict[nn.Parameter, int] = {}  # parameter → its `_version` when its copy was last written
-        model.register_forward_pre_hook(self._swap_in)
-        model.register_forward_hook(self._swap_out_after, always_call=True)
-
-    @torch.no_grad()
-    def _swap_in(self, *_) -> None:
+        self._written_at: dict[nn.Parameter, tuple[int, int]] = {}  # p → (p._version, p.data_ptr()) at the write
+        self._accumulate = False
         for p, copy in self.copy_of.items():
-            if self.made_at.get(p) != p._version:
-                copy.copy_(p)
-                self.made_at[p] = p._version
+            if copy.requires_grad:
+                copy.register_post_accumulate_grad_hook(functools.partial(self._add_to_fp32_grad, p))
+
+    @staticmethod
+    def _stamp(p: nn.Parameter) -> tuple[int, int]:
+        return p._version, p.data_ptr()
+
+    @contextlib.contextmanager
+    def active(self, accumulate: bool = False) -> Iterator[None]:
+        """Compute with the copies inside (forward and backward: an activation-checkpointed block recomputes with
+        them). `accumulate`: sum the gradients in fp32 on the parameters, instead of leaving bf16 ones on the copies."""
+        with torch.no_grad():
+            for p, copy in self.copy_of.items():
+                if self._written_at.get(p) != self._stamp(p):
+                    copy.copy_(p)
+                    self._written_at[p] = self._stamp(p)
         for module, name, p in self.slots:
             module._parameters[name] = self.copy_of[p]
-
-    def _swap_out(self) -> None:
-        for module, name, p in self.slots:
-            module._parameters[name] = p
-
-    def _swap_out_after(self, module: nn.Module, args, output) -> None:
-        loss = getattr(output, "loss", None)
-        if loss is None or not loss.requires_grad:
-            self._swap_out()
-            return
-        queue = torch.autograd.Variable._execution_engine.queue_callback  # runs when this backward ends
-        loss.register_hook(lambda grad: queue(self._swap_out))
-
-    def written(self, p: nn.Parameter) -> None:
-        """`p`'s copy was written with `p`'s current value."""
-        self.made_at[p] = p._version
-
-    def grad(self, p: nn.Parameter) -> torch.Tensor | None:
-        """`p`'s gradient: its fp32 sum over micro-batches if `accumulate_grads` ran, else its copy's."""
-        return p.grad if p.grad is not None else self.copy_of[p].grad
+        self._accumulate = accumulate
+        try:
+            yield
+        finally:
+            self._accumulate = False
+            for module, name, p in self.slots:
+                module._parameters[name] = p
 
     @torch.no_grad()
-    def accumulate_grads(self) -> None:
-        """After a micro-batch's backward: add the copies' gradients into the parameters' fp32 ones."""
-        for p, copy in self.copy_of.items():
-            if copy.grad is not None:
-                p.grad = copy.grad.float() if p.grad is None else p.grad.add_(copy.grad)
-                copy.grad = None
+    def _add_to_fp32_grad(self, p: nn.Parameter, copy: nn.Parameter) -> None:
+        if self._accumulate:
+            p.grad = copy.grad.float() if p.grad is None else p.grad.add_(copy.grad)
+            copy.grad = None
+
+    def grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        """`p`'s gradient: its fp32 sum over micro-batches when they were accumulated, else its copy's."""
+        return p.grad if p.grad is not None else self.copy_of[p].grad
+
+    def updates(self, params: Iterable[nn.Parameter]) -> Iterator[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]:
+        """(weight, gradient, copy) of each of `params` that has a gradient, for an update that writes the weight
+        and its copy in one pass; a copy counts as written once the update of the next one is asked for."""
+        for p in params:
+            grad = self.grad(p)
+            if grad is not None:
+                yield p, grad, self.copy_of[p]
+                self._written_at[p] = self._stamp(p)
+
+    def zero_grad(self) -> None:
+        for copy in self.copy_of.values():
+            copy.grad = None
 
 
 def _moments_back_to_state_dtype(optimizer: AdamW) -> None:
@@ -150,34 +186,36 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.state_dtype = state_dtype
         self.compute_copies = compute_copies
+        params = [p for group in self.param_groups for p in group["params"]]
+        self.salts = {p: torch.tensor(rounding_salt(i, p), device=_flat_local(p).device) for i, p in enumerate(params)}
         self.register_load_state_dict_post_hook(_moments_back_to_state_dtype)
 
-    def _grad(self, p: nn.Parameter) -> torch.Tensor | None:
-        return p.grad if self.compute_copies is None else self.compute_copies.grad(p)
+    def _updates(self, params: list[nn.Parameter]) -> Iterable[tuple[nn.Parameter, torch.Tensor, torch.Tensor | None]]:
+        """(weight, gradient, compute copy or None) of each parameter with a gradient."""
+        if self.compute_copies is not None:
+            return self.compute_copies.updates(params)
+        return ((p, p.grad, None) for p in params if p.grad is not None)
 
     def grads(self) -> list[torch.Tensor]:
         """The gradients the next `step` applies."""
-        return [g for group in self.param_groups for p in group["params"] if (g := self._grad(p)) is not None]
+        copies = self.compute_copies
+        grads = [p.grad if copies is None else copies.grad(p) for group in self.param_groups for p in group["params"]]
+        return [g for g in grads if g is not None]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         if self.compute_copies is not None:
-            for copy in self.compute_copies.copy_of.values():
-                copy.grad = None
+            self.compute_copies.zero_grad()
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: torch.Tensor | None = None) -> None:
         """`grad_scale` (a 0-d tensor, e.g. the clipping factor) multiplies every gradient inside the update."""
         if closure is not None:
             raise ValueError("dsv3.optim.AdamW takes no closure")
-        copies = self.compute_copies
         scalars: dict = {}  # (lr, β1, β2, t, device) → (lr, 1 − β1ᵗ, √(1 − β2ᵗ), scale, seed) there, made once
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                grad = self._grad(p)
-                if grad is None:
-                    continue
+            for p, grad, copy in self._updates(group["params"]):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
@@ -197,6 +235,4 @@ class AdamW(torch.optim.Optimizer):
                 update = _adamw_update_cuda if param.is_cuda else adamw_update
                 update(param, _flat_local(grad), _flat_local(state["exp_avg"]), _flat_local(state["exp_avg_sq"]),
                        lr, group["weight_decay"], beta1, beta2, group["eps"], bias_correction1,
-                       bias_correction2_sqrt, scale, seed, None if copies is None else copies.copy_of[p].view(-1))
-                if copies is not None:
-                    copies.written(p)
+                       bias_correction2_sqrt, scale, seed, self.salts[p], None if copy is None else copy.view(-1))

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_sel
 from dsv3 import deepep
 from dsv3.config import UserError
 from dsv3.model import Transformer
-from dsv3.moe import LocalDispatcher, MoE, combine_token_copies, pad_groups
+from dsv3.moe import LocalDispatcher, MoE, combine_token_copies, pad_groups, pads_groups
 
 
 def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
@@ -127,7 +127,8 @@ class AllToAllDispatcher:
         expert_of_row = local_expert.repeat_interleave(received.flatten(), output_size=recv_x.size(0))
         local_order = expert_of_row.argsort(stable=True)  # → [local expert][src] order
         expert_x, tokens_per_local_expert, rows = recv_x[local_order], received.sum(0), None
-        if self.align > 1 or not recv_x.size(0):  # N varies by step: few buffer sizes; none received: one row
+        # N varies by step: few buffer sizes (bucket); none received: zero rows for every expert
+        if pads_groups(self.align, x.device) or not recv_x.size(0):
             expert_x, tokens_per_local_expert, rows = pad_groups(
                 expert_x, expert_of_row[local_order], tokens_per_local_expert, self.align, bucket=True)
         return expert_x, tokens_per_local_expert, (order, topk_weights, local_order, rows, send_splits, recv_splits)
@@ -207,7 +208,12 @@ def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, red
 # Selective AC keeps what is expensive to recompute (GEMM and attention outputs), recomputes the rest. It sees
 # the ops that run, and inside a compiled MoE block inductor runs the dense GEMMs as `mm.out` into its own
 # buffers, which SAC cannot hand back: there those are recomputed, the grouped GEMMs and attention kept.
+# Under fp8 the GEMMs are the scaled ones (torchao's dense `_scaled_mm`, dsv3.quant's `_scaled_grouped_mm`); their
+# scales come from amax reductions (tensorwise `max`, rowwise `amax`) whose small outputs are kept too, as torchtitan
+# keeps `max`, so that recompute does not reduce whole activations again.
 _SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default,
+             torch.ops.aten._scaled_mm.default, torch.ops.aten._scaled_grouped_mm.default,
+             torch.ops.aten.max.default, torch.ops.aten.amax.default,
              torch.ops.aten._scaled_dot_product_cudnn_attention.default,
              torch.ops.aten._scaled_dot_product_flash_attention.default,
              torch.ops.aten._scaled_dot_product_efficient_attention.default}

@@ -10,8 +10,10 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import zlib
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -219,6 +221,34 @@ def test_a_run_directory_without_room_for_one_checkpoint_is_refused(tmp_path):
     checkpoint.check_free_space(tmp_path, 1 << 10)
 
 
+def _rename_fails_on_rank_0(rank: int, world: int, port: int, run_dir: Path, results: Path) -> None:
+    torchrun_env(rank, world, port)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    start = time.monotonic()
+    try:
+        _save_linear(run_dir, 1)
+        outcome = "saved"
+    except Exception as e:
+        outcome = str(e)
+    (results / f"rank-{rank}").write_text(json.dumps({"seconds": time.monotonic() - start, "error": outcome}))
+    dist.destroy_process_group()
+
+
+def test_a_rename_that_fails_on_rank_0_ends_every_rank_with_its_error(tmp_path):
+    """Only rank 0 renames step-N.tmp to step-N; when that failed, the other ranks waited at the barrier after it
+    for a rank that had left, until the collective's timeout (NCCL's: 10 minutes)."""
+    run_dir, results = tmp_path / "run", tmp_path / "results"
+    run_dir.mkdir()
+    results.mkdir()
+    (run_dir / "step-1").write_text("a file where the checkpoint directory goes: the rename fails")
+    mp.spawn(_rename_fails_on_rank_0, args=(2, free_port(), run_dir, results), nprocs=2)
+    outcomes = [json.loads((results / f"rank-{rank}").read_text()) for rank in range(2)]
+    assert outcomes[0]["error"] == outcomes[1]["error"]
+    assert outcomes[0]["error"].startswith(f"renaming checkpoint {run_dir / 'step-1.tmp'} to {run_dir / 'step-1'} "
+                                           "failed on rank 0: NotADirectoryError")
+    assert all(outcome["seconds"] < 10 for outcome in outcomes)
+
+
 _HOLD_LOCK = """
 import sys, time
 sys.path.insert(0, {root!r})
@@ -279,7 +309,8 @@ def test_a_run_with_compute_copies_checkpoints_fp32_weights_and_resumes_exactly(
     expected = [train.train_step(model, optimizer, batches[step - 1], t, step)[0] for step in (3, 4)]
 
     fresh, fresh_optimizer, _ = _with_compute_copies(seed=1)
-    fresh(batches[0][:, :-1])  # its copies now hold its own init
+    with fresh.compute_copies.active():
+        fresh(batches[0][:, :-1])  # its copies now hold its own init
     checkpoint.load(saved, fresh, fresh_optimizer, {"step": 0})
     assert {v.dtype for v in fresh.state_dict().values() if v.is_floating_point()} == {torch.float32}
     got = [train.train_step(fresh, fresh_optimizer, batches[step - 1], t, step)[0] for step in (3, 4)]

@@ -133,9 +133,9 @@ def test_load_config_coerces_int_to_float(toml_file):
     cfg = load_config(toml_file)
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
     assert isinstance(cfg.model_config().route_scale, float)
-    cfg = load_config(None, ["--train.grad_clip=2", "--model.rope_factor=8"])
+    cfg = load_config(None, ["--train.grad_clip=2", "--model.mscale=2"])
     assert cfg.train.grad_clip == 2.0 and isinstance(cfg.train.grad_clip, float)
-    assert isinstance(cfg.model_config().rope_factor, float)
+    assert isinstance(cfg.model_config().mscale, float)
 
 
 @pytest.mark.parametrize("override,field", [("--train.steps=1.5", "train.steps"), ("--train.lr=fast", "train.lr"),
@@ -227,6 +227,32 @@ def test_invalid_model_override_is_caught_when_loading():
         load_config(None, ["--model.n_limited_groups=5"])
     with pytest.raises(ValueError, match="train.seq_len"):
         load_config(None, ["--train.seq_len=4096"])  # longer than the debug model's max_seq_len
+
+
+def test_a_sequence_past_the_rope_tables_names_both_ways_to_reach_it():
+    """The error once said only "raise max_seq_len", and doing so switched YaRN on (16B: softmax scale × 1.87,
+    lowest RoPE frequency ÷ 40) without a word."""
+    with pytest.raises(UserError, match=r"seq_len \(8192\) exceeds model.max_seq_len \(4096\): raise "
+                                        r"model.max_seq_len; past model.original_seq_len \(4096\).*rope_factor > 1"):
+        load_config(None, ["--flavor=16B", "--train.seq_len=8192"])
+    with pytest.raises(UserError, match=r"model.max_seq_len \(8192\) exceeds model.original_seq_len \(4096\) with "
+                                        r"plain RoPE"):
+        load_config(None, ["--flavor=16B", "--train.seq_len=8192", "--model.max_seq_len=8192"])
+    plain = load_config(None, ["--flavor=16B", "--train.seq_len=8192", "--model.max_seq_len=8192",
+                               "--model.original_seq_len=8192"]).model_config()
+    yarn = load_config(None, ["--flavor=16B", "--train.seq_len=8192", "--model.max_seq_len=8192",
+                              "--model.rope_factor=2"]).model_config()
+    assert (plain.rope_factor, yarn.rope_factor, yarn.original_seq_len) == (1.0, 2.0, 4096)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(rope_factor=40.0), r"model.rope_factor \(40.0\) turns YaRN on.*model.max_seq_len \(4096\) does not go past"),
+    (dict(max_seq_len=32768, rope_factor=4.0), r"max_seq_len \(32768\) exceeds the 16384 positions YaRN covers"),
+    (dict(rope_factor=0.5), r"model.rope_factor must be >= 1"),
+])
+def test_yarn_settings_that_do_not_fit_together_are_refused(overrides, message):
+    with pytest.raises(UserError, match=message):
+        ModelConfig(**overrides)
 
 
 # ---------------------------------------------------------------------------------------------- [train] ranges

@@ -158,9 +158,8 @@ def test_yarn_matches_transformers():
 
 
 YARN = dataclasses.replace(TINY, max_seq_len=64, original_seq_len=16, rope_factor=4.0, mscale=0.707)
-# YaRN off (max_seq_len <= original_seq_len), its unused parameters and the init std all off their defaults
-YARN_OFF = dataclasses.replace(TINY, original_seq_len=4096, rope_factor=8.0, beta_fast=16, beta_slow=2, mscale=0.5,
-                               init_std=0.02)
+# YaRN off (rope_factor 1), its unused parameters and the init std all off their defaults
+YARN_OFF = dataclasses.replace(TINY, original_seq_len=4096, beta_fast=16, beta_slow=2, mscale=0.5, init_std=0.02)
 
 
 @pytest.mark.parametrize("cfg", [FLAVORS["debug"], FLAVORS["16B"], FLAVORS["671B"], TINY, YARN, YARN_OFF],
@@ -172,11 +171,21 @@ def test_config_round_trips_through_hf_and_transformers(cfg):
 
 
 def test_yarn_stays_off_when_an_hf_config_without_rope_scaling_outgrows_the_kept_original_length():
-    """Plain RoPE in HF must stay plain RoPE here: a raised max_position_embeddings overrides the kept length."""
+    """Plain RoPE in HF must stay plain RoPE here: a raised max_position_embeddings overrides the kept length, and
+    a rope_factor kept beside it (exports kept the old default, 40, while YaRN was off) does not turn YaRN on."""
     d = config_to_hf(YARN_OFF) | {"max_position_embeddings": 8192}
+    d["dsv3"]["rope_factor"] = 40.0
     cfg = config_from_hf(d)
-    assert (cfg.max_seq_len, cfg.original_seq_len, cfg.rope_factor) == (8192, 8192, 8.0)
+    assert (cfg.max_seq_len, cfg.original_seq_len, cfg.rope_factor) == (8192, 8192, 1.0)
+    assert Transformer(cfg).layers["0"].attn.softmax_scale == cfg.qk_head_dim ** -0.5
     assert config_from_hf(d | {"dsv3": {}}).original_seq_len == 8192  # an HF config of someone else's
+
+
+def test_yarn_that_transformers_and_deepseek_would_disagree_on_is_refused():
+    """YaRN up to a length within the original one: transformers stretches RoPE there, DeepSeek's code does not."""
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 1.0}
+    with pytest.raises(ValueError, match="DeepSeek's code does not"):
+        config_from_hf(config_to_hf(TINY) | {"rope_scaling": yarn})  # max_position_embeddings 32
 
 
 def test_config_json_round_trip(tmp_path):

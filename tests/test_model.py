@@ -256,12 +256,20 @@ def test_yarn_divides_low_frequencies_by_rope_factor_and_keeps_the_highest():
     torch.testing.assert_close(angles, torch.arange(16384.0)[:, None] * freqs, rtol=1e-5, atol=1e-3)
 
 
+def test_a_longer_context_is_plain_rope_unless_rope_factor_asks_for_yarn():
+    """Pretraining at 8K: the RoPE tables and the softmax scale of plain RoPE, whatever original_seq_len was."""
+    cfg = debug_config(max_seq_len=8192, original_seq_len=8192)
+
+    torch.testing.assert_close(rope_frequencies(cfg), plain_rope_angles(cfg))
+    assert MLA(cfg).softmax_scale == cfg.qk_head_dim ** -0.5
+
+
 def test_softmax_scale_gets_mscale_squared_only_with_yarn():
-    base = debug_config(original_seq_len=4096, rope_factor=40.0, mscale=1.0)
+    base = debug_config(original_seq_len=4096, mscale=1.0)
     d_qk = base.qk_nope_head_dim + base.qk_rope_head_dim
 
     plain = MLA(dataclasses.replace(base, max_seq_len=4096))
-    yarn = MLA(dataclasses.replace(base, max_seq_len=8192))
+    yarn = MLA(dataclasses.replace(base, max_seq_len=8192, rope_factor=40.0))
 
     assert plain.softmax_scale == pytest.approx(d_qk ** -0.5)
     m = 0.1 * math.log(40.0) + 1.0
@@ -269,7 +277,7 @@ def test_softmax_scale_gets_mscale_squared_only_with_yarn():
 
 
 def test_mla_matches_explicit_causal_attention_with_its_scale():
-    cfg = debug_config(max_seq_len=8192)  # YaRN on, so the scale is not the default one
+    cfg = debug_config(max_seq_len=8192, rope_factor=40.0)  # YaRN on, so the scale is not the default one
     torch.manual_seed(0)
     attn = MLA(cfg)
     with torch.no_grad():

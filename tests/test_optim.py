@@ -1,15 +1,23 @@
 """dsv3.optim.AdamW: torch.optim.AdamW's update exactly with fp32 moments, clipping folded into the step,
-unbiased bf16 rounding of the moments, and bf16 moments that train the debug model like fp32 ones."""
+unbiased bf16 rounding of the moments, and bf16 moments that train the debug model like fp32 ones. ComputeCopies,
+one GPU's mixed precision, built here on a CPU model: the model holds its fp32 parameters outside `active()`
+whatever happens inside, and micro-batches' gradients add up in fp32 as backward produces them."""
 
+import os
 from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from dsv3 import optim, parallel
 from dsv3.config import FLAVORS, Config, TrainConfig
 from dsv3.model import Transformer
 from train import build_model, build_optimizer, train_step
+from conftest import free_port
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:
@@ -76,6 +84,46 @@ def test_random_bits_are_uniform_in_both_halves_and_new_for_each_seed():
     assert torch.equal(bits, optim.random_bits(like, torch.tensor(12345)))
 
 
+def _bf16_moments_after_one_step(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """m = 0.1·g lies between two bf16 values: the stochastic rounding decides every element."""
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer = optim.AdamW(params, lr=1e-2, state_dtype=torch.bfloat16)
+    optimizer.step()
+    return [optimizer.state[p]["exp_avg"] for p in params]
+
+
+def test_each_tensor_draws_its_own_rounding_noise():
+    """The hash once read only (step, element index): two tensors rounded alike, their errors correlated."""
+    first, second = _bf16_moments_after_one_step([torch.nn.Parameter(torch.zeros(4096)) for _ in range(2)])
+    assert set(first.float().unique().tolist()) == {0.099609375, 0.10009765625}  # the two bf16 neighbours of 0.1
+    assert (first != second).float().mean() > 0.3  # independent draws differ in about half the elements
+
+
+def _sharded_moments_worker(rank: int, port: int, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    param = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 512), mesh, [Shard(0)]))
+    (moments,) = _bf16_moments_after_one_step([param])
+    full = moments.full_tensor()
+    if rank == 0:
+        torch.save(full, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_shards_draw_the_noise_of_their_rows_of_the_whole_tensor(tmp_path):
+    """At two ranks each shard once drew the stream of a tensor starting at element 0: the same noise on every
+    rank. Now a shard hashes its elements' places in the whole tensor, so the sharded run rounds as one process."""
+    out = tmp_path / "moments.pt"
+    mp.spawn(_sharded_moments_worker, args=(free_port(), str(out)), nprocs=2)
+    sharded = torch.load(out)
+    (whole,) = _bf16_moments_after_one_step([torch.nn.Parameter(torch.zeros(8, 512))])
+    assert torch.equal(sharded, whole)
+    assert (whole[:4] != whole[4:]).float().mean() > 0.3  # the two shards' rows drew different noise
+
+
 def test_bf16_state_is_bf16_and_trains_the_debug_model_like_fp32_state():
     """50 steps on a fixed batch of the debug model: the loss curves agree within 2% of the starting loss at every
     step (stochastic rounding makes them differ a little, not drift apart)."""
@@ -132,3 +180,111 @@ def test_one_gpu_trains_bf16_compute_copies_that_the_fused_update_writes():
     assert losses[-1] < 0.8 * losses[0]
     for p, copy in copies.copy_of.items():
         assert torch.equal(copy, p.to(torch.bfloat16))
+
+
+# ------------------------------------------------------------------------------------------ compute copies
+
+def _with_copies() -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(replace(FLAVORS["debug"], n_layers=2, max_seq_len=32))
+    model.compute_copies = optim.ComputeCopies(model, torch.bfloat16)
+    return model
+
+
+def _micro_batches() -> torch.Tensor:
+    return torch.randint(0, FLAVORS["debug"].vocab_size, (2, 2, 33), generator=torch.Generator().manual_seed(0))
+
+
+def _total_loss(model: Transformer, micro: torch.Tensor) -> torch.Tensor:
+    out = model(micro[:, :-1], micro[:, 1:])
+    return out.loss + sum(out.mtp_losses) + out.balance_loss
+
+
+def _holds_its_fp32_parameters(model: Transformer, optimizer: torch.optim.Optimizer | None = None) -> bool:
+    """What a checkpoint needs: fp32 tensors in the state dict, the optimizer's own parameters by name."""
+    state_is_fp32 = {v.dtype for v in model.state_dict().values() if v.is_floating_point()} == {torch.float32}
+    params = {p for group in optimizer.param_groups for p in group["params"]} if optimizer else set()
+    return state_is_fp32 and (optimizer is None or set(model.parameters()) == params)
+
+
+def test_an_exception_inside_backward_leaves_the_fp32_parameters_in_the_model():
+    """The copies were swapped out by a callback at the end of a backward that never ended: state_dict() returned
+    bf16 copies, which the optimizer state could not map to names."""
+    model = _with_copies()
+    t = TrainConfig(global_batch=4, micro_batch=2, seq_len=32, optimizer_state_dtype="bf16")
+    optimizer = build_optimizer(model, t, torch.device("cpu"))
+
+    def fail(grad):
+        raise RuntimeError("failed in backward")
+
+    def fail_in_its_backward(module, args, out) -> None:
+        out[0].register_hook(fail)
+
+    hook = model.layers["1"].register_forward_hook(fail_in_its_backward)
+    with pytest.raises(RuntimeError, match="failed in backward"):
+        train_step(model, optimizer, _micro_batches().flatten(0, 1), t, 1)
+    assert _holds_its_fp32_parameters(model, optimizer)
+    hook.remove()
+    optimizer.zero_grad()
+    train_step(model, optimizer, _micro_batches().flatten(0, 1), t, 1)  # and trains on
+    assert _holds_its_fp32_parameters(model, optimizer)
+
+
+def test_a_forward_without_backward_leaves_the_fp32_parameters_in_the_model():
+    model = _with_copies()
+    micro = _micro_batches()[0]
+    model(micro[:, :-1], micro[:, 1:])  # outside `active()`: the plain fp32 model, never its copies
+    assert _holds_its_fp32_parameters(model)
+    with model.compute_copies.active():
+        loss = _total_loss(model, micro)  # a loss with a graph, never backpropagated
+    assert loss.requires_grad and _holds_its_fp32_parameters(model)
+
+
+def test_two_micro_batches_add_up_in_fp32_and_each_bf16_gradient_is_freed_as_soon_as_it_is_added():
+    """Each copy's gradient goes into the fp32 sum when backward produces it: when backward reaches the embedding
+    (every block done), no copy but the embedding's holds a gradient, where adding up after the whole backward kept
+    every block's bf16 gradients alive at once. The sum is exactly the fp32 sum of the micro-batches' gradients."""
+    model = _with_copies()
+    copies = model.compute_copies
+    name_of = {p: name for name, p in model.named_parameters()}
+    alone = []
+    for micro in _micro_batches():
+        with copies.active():
+            _total_loss(model, micro).backward()
+        alone.append({p: copies.copy_of[p].grad for p in name_of})
+        copies.zero_grad()
+
+    held_at_embedding = []
+
+    def record_held(grad) -> None:
+        held_at_embedding.append([name for p, name in name_of.items()
+                                  if copies.copy_of[p].grad is not None and name != "embed.weight"])
+
+    def probe_its_gradient(module, args, out) -> None:
+        out.register_hook(record_held)
+
+    model.embed.register_forward_hook(probe_its_gradient)
+    for micro in _micro_batches():
+        with copies.active(accumulate=True):
+            _total_loss(model, micro).backward()
+
+    assert held_at_embedding == [[], []]
+    for p, name in name_of.items():
+        assert copies.copy_of[p].grad is None, name
+        assert p.grad.dtype == torch.float32 and torch.equal(p.grad, alone[0][p].float() + alone[1][p].float()), name
+
+
+def test_a_copy_is_remade_when_its_parameter_changed_outside_the_update():
+    """In place (a load, an init) or by binding a new tensor to `p.data`; the update writes copies itself."""
+    model = _with_copies()
+    copies = model.compute_copies
+    micro = _micro_batches()[0]
+    weight = model.head.weight
+    for change in (lambda: weight.mul_(2), lambda: setattr(weight, "data", weight.data * 3)):
+        with copies.active():
+            model(micro[:, :-1])
+        with torch.no_grad():
+            change()
+        with copies.active():
+            model(micro[:, :-1])
+        assert torch.equal(copies.copy_of[weight], weight.to(torch.bfloat16))

@@ -13,6 +13,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy
 
 from dsv3 import optim, parallel
 from dsv3.config import FLAVORS, Config, ParallelConfig, TrainConfig
@@ -136,7 +137,8 @@ def test_sharded_training_matches_single_process(world, ep, ac, reference, tmp_p
 
 def test_bf16_adamw_moments_are_sharded_like_their_parameters_and_track_the_single_process_run(tmp_path):
     """FSDP2 + EP 2 with `optimizer_state_dtype=bf16`: every moment is a bf16 DTensor shard, and the run tracks
-    one process's (stochastic rounding draws differ per shard, so not bit for bit)."""
+    one process's (the shards draw the whole tensor's rounding noise, but sharded reductions sum in another order,
+    so not bit for bit)."""
     train = replace(TRAIN, optimizer_state_dtype="bf16")
     torch.manual_seed(0)
     reference = _run(Transformer(CFG), _batches(), 0, 1, train)
@@ -313,6 +315,63 @@ def test_selective_ac_recompute_does_not_exchange_again(tmp_path):
     # per MoE layer: counts, tokens and the combine forward, two reverse exchanges in backward
     assert counts["none"] == 5 * len([b for b in parallel.blocks(Transformer(CFG)) if isinstance(b.ffn, MoE)])
     assert counts["selective"] == counts["none"], counts
+
+
+def _to_e4m3(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tensorwise fp8, as torchao's Float8Linear scales: one amax (`max`) per tensor."""
+    scale = 448.0 / t.abs().max().float().clamp(min=1e-12)
+    return (t.float() * scale).to(torch.float8_e4m3fn), scale.reciprocal()
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y = x·wᵀ through `_scaled_mm` (runs on CPU), the forward of an fp8 linear; a plain backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        (x8, x_inverse), (w8, w_inverse) = _to_e4m3(x), _to_e4m3(w)
+        return torch._scaled_mm(x8, w8.t(), x_inverse, w_inverse, out_dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad @ w, grad.t() @ x
+
+
+class _Fp8Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(32, 32, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Fp8Linear.apply(x, self.weight).relu()
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self, ops):
+        super().__init__()
+        self.counts = dict.fromkeys(ops, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.counts:
+            self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_ac_keeps_the_fp8_gemms_and_their_amax_reductions():
+    """Under fp8, "selective" recomputed the fp8 GEMMs and their scales' reductions: only the bf16 GEMMs were kept."""
+    model = torch.nn.Module()
+    model.layers, model.mtp = torch.nn.ModuleDict({"0": _Fp8Block()}), []
+    parallel.apply_activation_checkpointing(model, "selective")
+    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    y = model.layers["0"](x)
+    ops = (torch.ops.aten._scaled_mm.default, torch.ops.aten.max.default)
+    with _CountOps(ops) as recomputed:
+        y.sum().backward()
+    assert recomputed.counts == dict.fromkeys(ops, 0)
+    # the experts' fp8 GEMM (CUDA only) and the rowwise scales' reduction
+    for op in (torch.ops.aten._scaled_grouped_mm.default, torch.ops.aten.amax.default):
+        assert parallel._selective_policy(None, op) == CheckpointPolicy.MUST_SAVE
 
 
 def _unsharded_grads_held(model: Transformer) -> list[str]:

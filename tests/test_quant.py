@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from dsv3 import moe as moe_module
 from dsv3 import parallel, quant
 from dsv3.config import FLAVORS, load_config
 from dsv3.model import RMSNorm, Transformer
@@ -251,17 +252,19 @@ def test_rowwise_fp8_scales_each_row_by_a_power_of_two_that_fills_e4m3():
 
 
 def test_pad_groups_layout():
-    counts = torch.tensor([3, 0, 33, 1, 0])  # the last expert empty: it still absorbs the slack
+    """Every group starts at a multiple of `align` and holds at least `align` rows: an empty expert (1, and the
+    last, which also absorbs the slack) gets a block of zero rows, never a group of none."""
+    counts = torch.tensor([3, 0, 33, 1, 0])
     expert_of_row = torch.arange(5).repeat_interleave(counts)
     x = torch.arange(1.0, 38.0).unsqueeze(1).expand(37, 2)
 
     padded_x, padded_counts, rows = pad_groups(x, expert_of_row, counts, align=32)
 
-    assert padded_x.shape == (192, 2)  # round_up(37 + 5·31, 32): a static size
-    assert padded_counts.tolist() == [32, 0, 64, 32, 64]  # multiples of 32 summing to the buffer size
-    assert rows.tolist() == [0, 1, 2] + list(range(32, 65)) + [96]
+    assert padded_x.shape == (224, 2)  # round_up(37 + 5·32, 32): a static size
+    assert padded_counts.tolist() == [32, 32, 64, 32, 64]  # multiples of 32, none empty, summing to the buffer size
+    assert rows.tolist() == [0, 1, 2] + list(range(64, 97)) + [128]
     torch.testing.assert_close(padded_x[rows], x)
-    keep = torch.zeros(192, dtype=torch.bool)
+    keep = torch.zeros(224, dtype=torch.bool)
     keep[rows] = True
     assert (padded_x[~keep] == 0).all()
 
@@ -274,7 +277,7 @@ def test_bucketed_buffers_take_few_sizes_for_varying_token_counts():
         x = torch.ones(n, 1)
         expert_of_row = torch.arange(4).repeat_interleave(counts)
         padded_x, padded_counts, rows = pad_groups(x, expert_of_row, counts, 32, bucket=True)
-        exact = -(-(n + 4 * 31) // 32) * 32
+        exact = -(-(n + 4 * 32) // 32) * 32
         assert exact <= padded_x.size(0) <= exact * 17 / 16 and padded_x.size(0) % 32 == 0
         assert padded_counts.sum().item() == padded_x.size(0) and (padded_counts % 32 == 0).all()
         assert padded_x[rows].sum().item() == n and padded_x.sum().item() == n
@@ -322,6 +325,55 @@ def test_padded_expert_groups_give_the_unpadded_result(align):
     torch.testing.assert_close(x_pad.grad, x_ref.grad, rtol=0, atol=1e-6)
     for (name, p), q in zip(padded.named_parameters(), moe.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6, msg=name)
+
+
+class _EmptyGroupsGetGradients(torch.autograd.Function):
+    """torch._grouped_mm as on B200 (pytorch #172439): the weight gradient of a group of no rows is not zero."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w, offsets)
+        return torch._grouped_mm(x, w, offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w, offsets = ctx.saved_tensors
+        with torch.enable_grad():
+            x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+            grad_x, grad_w = torch.autograd.grad(torch._grouped_mm(x, w, offs=offsets), (x, w), grad)
+        empty = offsets.diff(prepend=offsets.new_zeros(1)) == 0
+        return grad_x, grad_w.masked_fill(empty[:, None, None], 1.0), None
+
+
+def b200_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return _EmptyGroupsGetGradients.apply(x, w.to(x.dtype), offsets)
+
+
+@pytest.mark.parametrize("align", [1, 16])
+def test_experts_without_tokens_get_zero_weight_gradients_from_a_grouped_gemm_that_mishandles_empty_groups(
+        align, monkeypatch):
+    """Where the bf16 grouped GEMM needs it (B200, emulated here) and for the low-precision ones (align > 1), an
+    expert without tokens gets a block of zero rows: its weight gradient is exactly zero and nothing else changes."""
+    monkeypatch.setattr(moe_module, "_empty_groups_break_grouped_mm", lambda device: True, raising=False)
+    moe, padded = moe_layer(align=1), moe_layer(align=align)
+    padded.experts.grouped_mm = b200_grouped_mm
+    for m in (moe, padded):  # experts 1, 5 and the last never chosen
+        m.gate.expert_bias[[1, 5, 7]] = -100.0
+    x = torch.randn(2, 40, CFG.dim)
+    r = torch.randn(2, 40, CFG.dim)
+    with monkeypatch.context() as plain:  # the reference: the CPU's grouped GEMM, no padding
+        plain.setattr(moe_module, "_empty_groups_break_grouped_mm", lambda device: False, raising=False)
+        out_ref = moe(x)
+        (out_ref.y * r).sum().backward()
+    out = padded(x)
+    (out.y * r).sum().backward()
+
+    assert (out.tokens_per_expert[[1, 5, 7]] == 0).all()
+    torch.testing.assert_close(out.y, out_ref.y, rtol=0, atol=1e-6)
+    for name in ("w13", "w2"):
+        grad = getattr(padded.experts, name).grad
+        assert (grad[[1, 5, 7]] == 0).all(), name
+        torch.testing.assert_close(grad, getattr(moe.experts, name).grad, rtol=0, atol=1e-6, msg=name)
 
 
 def test_padding_reads_nothing_on_the_host():
