@@ -72,20 +72,17 @@ def test_plan_matches_measurement(path, overrides, gpus, kind, memory_gib, token
 
 
 # One GPU, two micro-batches: the fp32 accumulators carried from the first into the second, and (full AC) one
-# block's bf16 gradient at a time. The figures are the plan's until the bench commands in README ("Planning a run")
-# measure them; then the measured ones go here and the plan must meet them within 5%.
-TWO_MICRO_BATCHES = [  # (config, overrides, kind, GiB per GPU, tokens/s per GPU)
-    (CUT_16B, ["--train.global_batch=8"], "h100", 48.5, 122.6e3),
-    (CUT_16B, ["--train.global_batch=8", "--train.optimizer_state_dtype=bf16"], "h100", 40.1, 125.9e3),
+# block's bf16 gradient at a time, measured on one H100 (README, "Planning a run"); the plan must meet them within 5%.
+TWO_MICRO_BATCHES = [  # (config, overrides, kind, GiB per GPU, tokens/s per GPU), measured (README)
+    (CUT_16B, ["--train.global_batch=8"], "h100", 50.18, 119.1e3),
+    (CUT_16B, ["--train.global_batch=8", "--train.optimizer_state_dtype=bf16"], "h100", 41.78, 119.3e3),
     (CUT_16B, ["--train.global_batch=8", "--train.optimizer_state_dtype=bf16", "--train.activation_checkpoint=full"],
-     "h100", 33.6, 104.7e3),
-    ("configs/671b_3layer.toml", ["--train.global_batch=4", "--train.optimizer_state_dtype=bf16"], "h200", 92.9,
-     31.3e3),
+     "h100", 33.03, 103.1e3),
 ]
 
 
 @pytest.mark.parametrize("path, overrides, kind, memory_gib, tokens_per_s", TWO_MICRO_BATCHES,
-                         ids=["16B-cut", "16B-cut-bf16-moments", "16B-cut-full-ac", "671B-cut-bf16-moments"])
+                         ids=["16B-cut", "16B-cut-bf16-moments", "16B-cut-full-ac"])
 def test_plan_matches_two_micro_batches_on_one_gpu(path, overrides, kind, memory_gib, tokens_per_s):
     planned = plan(load_config(path, overrides), 1, kind)
     assert planned.memory_gib_per_gpu == pytest.approx(memory_gib, rel=0.05)
@@ -127,7 +124,8 @@ def test_one_gpu_folds_each_bf16_gradient_into_fp32_accumulators_at_once():
 
 
 def test_from_two_micro_batches_per_gpu_on_the_global_batch_no_longer_changes_the_peak():
-    ramp = ["--train.seq_len=8192", "--model.max_seq_len=8192", "--train.micro_batch=4", "--train.batch_ramp_start=512"]
+    ramp = ["--train.seq_len=8192", "--model.max_seq_len=8192", "--model.original_seq_len=8192", "--train.micro_batch=4",
+            "--train.batch_ramp_start=512"]
     peaks = [plan(load_config("configs/671b.toml", ramp + [f"--train.global_batch={batch}"]), 256, "b200")
              .memory_gib_per_gpu for batch in (1024, 2048, 15360)]  # 1, 2 and 15 micro-batches
     assert peaks[0] < peaks[1] == pytest.approx(peaks[2], rel=1e-12)
