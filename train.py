@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from dsv3 import checkpoint, deepep, optim, parallel, quant
+from dsv3 import checkpoint, dispatch, optim, parallel, quant
 from dsv3.config import Config, TrainConfig, UserError, help_text, load_config, run_main
 from dsv3.data import MixtureLoader, PackedLoader, check_sources, data_tokenizer, describe_mixture
 from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, import_wandb,
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"stopped by {stopping.name} after step {step} of {t.steps}: {saved}", flush=True)
     logger.close()
     checkpoint.unlock_run_dir(run_dir)
-    deepep.close()  # DeepEP's buffer, if any: before the process group goes
+    dispatch.close()  # DeepEP's buffer, if any: before the process group goes
     if dist.is_initialized():
         dist.barrier()  # no rank tears the group down while another still talks to it
         dist.destroy_process_group()

@@ -2,7 +2,7 @@
 routed experts as stacked weights run by one grouped GEMM, and the sequence-wise balance loss (§2.1.2, eq. 17-20).
 
 Tokens reach the routed experts through a *dispatcher*, the one seam for distribution: `LocalDispatcher`
-sorts this process's tokens by expert; `dsv3.parallel` hands in an all-to-all one, `dsv3.deepep` a DeepEP one.
+sorts this process's tokens by expert; `dsv3.parallel` hands in an all-to-all or a DeepEP one from `dsv3.dispatch`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Distribution, applied from outside the plain model: process group and meshes, the expert-parallel
-all-to-all dispatcher (or dsv3.deepep's), FSDP2 wrapping, activation checkpointing, per-block compile, and the
-few collectives the trainer needs (gradient norm, expert-load sums).
+"""Distribution, applied from outside the plain model: process group and meshes, expert parallelism (expert
+stacks sharded over `ep`, each MoE handed a dispatcher from dsv3.dispatch), FSDP2 wrapping, activation
+checkpointing, per-block compile, and the few collectives the trainer needs (gradient norm, expert-load sums).
 
 Meshes: dense parameters are `fully_shard`ed over all ranks; routed-expert stacks are sharded Shard(0)
 over `ep` and `fully_shard`ed over `efsdp = world / ep`, both from one 2-D (efsdp, ep) mesh.
@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,10 +21,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-from dsv3 import deepep
+from dsv3 import dispatch
 from dsv3.config import UserError
 from dsv3.model import Transformer
-from dsv3.moe import LocalDispatcher, MoE, combine_token_copies, pad_groups, pads_groups
+from dsv3.moe import LocalDispatcher, MoE
 
 
 def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
@@ -40,7 +39,8 @@ def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
         torch.cuda.set_device(this_device)
         torch.set_float32_matmul_precision("high")  # TF32 for the few fp32 matmuls left (compute is bf16)
     if "WORLD_SIZE" not in os.environ:
-        if use_cuda and not dist.is_initialized():  # FSDP2 (our bf16 mixed precision) needs a group, even of one
+        # one GPU gets a group of one too (no FSDP2 there): barriers, DCP and all_reduce_sum run as on many ranks
+        if use_cuda and not dist.is_initialized():
             dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=this_device)
         return 0, 1, this_device
     if not dist.is_initialized():
@@ -68,83 +68,6 @@ def build_meshes(device_type: str, world: int, ep: int) -> Meshes:
     return Meshes(dense, experts)
 
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits; its backward is the reverse exchange."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return exchange(x, out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out_splits, in_splits = ctx.splits
-        return _AllToAll.apply(grad, in_splits, out_splits, ctx.group), None, None, None
-
-
-def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-             group: dist.ProcessGroup) -> torch.Tensor:
-    """all_to_all_single as a functional collective (a new output tensor, not a filled buffer), an op that
-    selective AC can keep: recompute does not exchange again."""
-    out = torch.ops._c10d_functional.all_to_all_single(x.contiguous(), out_splits, in_splits, group.group_name)
-    return torch.ops._c10d_functional.wait_tensor(out)
-
-
-@torch.compiler.disable
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """The differentiable exchange, kept out of torch.compile: traced, the NCCL collective lost its backward
-    (the routed experts' gradients came out exactly zero on 2 H200s, torch 2.11); gloo was not affected."""
-    return _AllToAll.apply(x, out_splits, in_splits, group)
-
-
-class AllToAllDispatcher:
-    """Expert parallelism over `group`: rank r holds experts [r·E_local, (r+1)·E_local).
-
-    route → counts per expert → exchange counts → exchange token copies (uneven splits) → sort by local
-    expert → grouped GEMM → the reverse. The split sizes must reach the host for all_to_all_single: that
-    `.tolist()` is the one device→host sync per MoE layer. `align` > 1 pads each local expert's group
-    (`pad_groups`), without another sync.
-    """
-
-    def __init__(self, group: dist.ProcessGroup, n_experts: int, align: int = 1):
-        self.group = group
-        self.ep = dist.get_world_size(group)
-        self.n_local = n_experts // self.ep
-        self.align = align
-
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 tokens_per_expert: torch.Tensor):
-        order = topk_idx.flatten().argsort(stable=True)  # by expert, hence by destination rank
-        send_x = x[order // topk_idx.size(1)]
-        # received[src, e]: copies rank src sends to our local expert e
-        even = [self.n_local] * self.ep
-        received = exchange(tokens_per_expert, even, even, self.group).view(self.ep, self.n_local)
-        splits = torch.cat([tokens_per_expert.view(self.ep, self.n_local).sum(1), received.sum(1)])
-        splits = splits.tolist()  # the one device→host sync of this layer
-        send_splits, recv_splits = splits[:self.ep], splits[self.ep:]
-        recv_x = all_to_all(send_x, recv_splits, send_splits, self.group)  # [src][local expert] order
-        local_expert = torch.arange(self.n_local, device=x.device).repeat(self.ep)
-        expert_of_row = local_expert.repeat_interleave(received.flatten(), output_size=recv_x.size(0))
-        local_order = expert_of_row.argsort(stable=True)  # → [local expert][src] order
-        expert_x, tokens_per_local_expert, rows = recv_x[local_order], received.sum(0), None
-        # N varies by step: few buffer sizes (bucket); none received: zero rows for every expert
-        if pads_groups(self.align, x.device) or not recv_x.size(0):
-            expert_x, tokens_per_local_expert, rows = pad_groups(
-                expert_x, expert_of_row[local_order], tokens_per_local_expert, self.align, bucket=True)
-        return expert_x, tokens_per_local_expert, (order, topk_weights, local_order, rows, send_splits, recv_splits)
-
-    def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
-        order, topk_weights, local_order, rows, send_splits, recv_splits = ctx
-        if rows is not None:
-            expert_y = expert_y[rows]  # the real rows only
-        recv_y = torch.empty_like(expert_y).index_copy_(0, local_order, expert_y)
-        sorted_y = all_to_all(recv_y, send_splits, recv_splits, self.group)
-        return combine_token_copies(sorted_y, order, topk_weights)
-
-    def wait(self, y: torch.Tensor) -> torch.Tensor:
-        return y
-
-
 def moe_layers(model: Transformer) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
@@ -156,7 +79,7 @@ def blocks(model: Transformer) -> list[nn.Module]:
 def check_ep_backend(backend: str, ep: int, device: torch.device, deepep_sms: int = 24) -> None:
     """`parallel.ep_backend=deepep` needs CUDA, an importable deep_ep and ep ∈ {2, 4, 8} on one host."""
     if backend == "deepep":
-        deepep.check(ep, device, deepep_sms, local_world=int(os.environ.get("LOCAL_WORLD_SIZE", ep)))
+        dispatch.check(ep, device, deepep_sms, local_world=int(os.environ.get("LOCAL_WORLD_SIZE", ep)))
 
 
 def apply_expert_parallel(model: Transformer, meshes: Meshes, backend: str = "all_to_all",
@@ -165,15 +88,15 @@ def apply_expert_parallel(model: Transformer, meshes: Meshes, backend: str = "al
     (keeping the group alignment that dsv3.quant may have set on the local one)."""
     ep_mesh = meshes.experts["ep"]
     if backend == "deepep":  # check_ep_backend ran at start-up
-        buffer = deepep.get_buffer(ep_mesh.get_group(), model.cfg.dim, deepep_sms)
+        buffer = dispatch.get_buffer(ep_mesh.get_group(), model.cfg.dim, deepep_sms)
     for moe in moe_layers(model):
         for name, param in list(moe.experts.named_parameters()):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
             setattr(moe.experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         if backend == "deepep":
-            moe.dispatcher = deepep.DeepEPDispatcher(buffer, model.cfg.n_routed_experts, moe.dispatcher.align)
+            moe.dispatcher = dispatch.DeepEPDispatcher(buffer, model.cfg.n_routed_experts, moe.dispatcher.align)
         else:
-            moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), model.cfg.n_routed_experts,
+            moe.dispatcher = dispatch.AllToAllDispatcher(ep_mesh.get_group(), model.cfg.n_routed_experts,
                                                 moe.dispatcher.align)
 
 
@@ -194,8 +117,7 @@ def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, red
             # gloo lacks the PREMUL_SUM that a custom factor uses (and a 1-rank mesh needs no reduction)
             if expert_mesh.device_type == "cpu" and expert_mesh.size() > 1:
                 block.ffn.experts.set_force_sum_reduction_for_comms(True)
-        # one rank: keep the bf16 copy from forward to backward instead of casting and copying it twice
-        fully_shard(block, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=world > 1)
+        fully_shard(block, mesh=meshes.dense, mp_policy=mp)
     fully_shard(model, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=False)
     if ep > 1:
         # EP's blocking split-size copy stalls FSDP's implicit prefetch: prefetch the next block explicitly.

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dsv3 import deepep, parallel  # noqa: E402
+from dsv3 import dispatch, parallel  # noqa: E402
 from dsv3.config import run_main  # noqa: E402
 
 
@@ -75,9 +75,9 @@ def main() -> None:
     results = {}
     for backend in backends:
         if backend == "deepep":
-            dispatcher = deepep.DeepEPDispatcher(deepep.get_buffer(group, args.dim, args.sms), args.experts)
+            dispatcher = dispatch.DeepEPDispatcher(dispatch.get_buffer(group, args.dim, args.sms), args.experts)
         else:
-            dispatcher = parallel.AllToAllDispatcher(group, args.experts)
+            dispatcher = dispatch.AllToAllDispatcher(group, args.experts)
         if not args.eager:
             dispatcher.dispatch, dispatcher.combine = map(torch.compile, (dispatcher.dispatch, dispatcher.combine))
         (dispatch_ms, combine_ms), y = time_layer(dispatcher, x, topk_idx, topk_weights, tokens_per_expert,
@@ -94,7 +94,7 @@ def main() -> None:
     if rank == 0:
         print(json.dumps({"ep": world, "compiled": not args.eager, "tokens": args.tokens, "dim": args.dim,
                           "experts": args.experts, "topk": args.topk, **results}, indent=1))
-    deepep.close()
+    dispatch.close()
     dist.destroy_process_group()
 
 

@@ -1,4 +1,4 @@
-"""The DeepEP backend (dsv3.deepep): the expert-side expand/weight/reduce against the local and all-to-all
+"""The DeepEP backend (dsv3.dispatch): the expert-side expand/weight/reduce against the local and all-to-all
 results, the dispatcher's autograd plumbing over a loopback stand-in for deep_ep.Buffer, the start-up errors,
 and (GPU, ≥ 2 GPUs with deep_ep) training parity with the all-to-all backend."""
 
@@ -15,9 +15,9 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
 import train
-from dsv3 import deepep, parallel
+from dsv3 import dispatch, parallel
 from dsv3.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from dsv3.deepep import DeepEPDispatcher, expert_rows
+from dsv3.dispatch import DeepEPDispatcher, expert_rows
 from dsv3.moe import GroupedExperts, LocalDispatcher, MoE, combine_token_copies
 from conftest import free_port, torchrun_env
 
@@ -318,7 +318,7 @@ def _gpu_worker(rank: int, world: int, port: int, case: str, out_path: str) -> N
     if rank == 0:
         rel = {n: (d / r.clamp_min(1e-30)).sqrt().item() for n, (d, r) in zip(ref, sq)}
         torch.save({"rel_grad": rel, "losses": {b: r["losses"] for b, r in runs.items()}}, out_path)
-    deepep.close()
+    dispatch.close()
     dist.barrier()  # no rank tears the group down while another still talks to it
     dist.destroy_process_group()
 

@@ -1,4 +1,7 @@
-"""Expert parallelism over DeepEP (`parallel.ep_backend=deepep`): the all-to-all dispatcher's interface, with
+"""The expert-parallel dispatchers that `dsv3.parallel.apply_expert_parallel` hands each MoE layer
+(`parallel.ep_backend`): `AllToAllDispatcher` over torch's all_to_all_single, `DeepEPDispatcher` over DeepEP.
+
+DeepEP (`parallel.ep_backend=deepep`): the all-to-all dispatcher's interface, with
 DeepEP's NVLink kernels (normal mode, intranode: every EP rank on one host, ep ∈ {2, 4, 8}) doing the exchange.
 
     get_dispatch_layout → dispatch → expand to expert rows → grouped GEMM → weight and reduce → combine
@@ -32,6 +35,84 @@ import torch.distributed as dist
 
 from dsv3.config import UserError
 from dsv3.moe import combine_token_copies, pad_groups, pads_groups
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; its backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return exchange(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        return _AllToAll.apply(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+             group: dist.ProcessGroup) -> torch.Tensor:
+    """all_to_all_single as a functional collective (a new output tensor, not a filled buffer), an op that
+    selective AC can keep: recompute does not exchange again."""
+    out = torch.ops._c10d_functional.all_to_all_single(x.contiguous(), out_splits, in_splits, group.group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+@torch.compiler.disable
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """The differentiable exchange, kept out of torch.compile: traced, the NCCL collective lost its backward
+    (the routed experts' gradients came out exactly zero on 2 H200s, torch 2.11); gloo was not affected."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+class AllToAllDispatcher:
+    """Expert parallelism over `group`: rank r holds experts [r·E_local, (r+1)·E_local).
+
+    route → counts per expert → exchange counts → exchange token copies (uneven splits) → sort by local
+    expert → grouped GEMM → the reverse. The split sizes must reach the host for all_to_all_single: that
+    `.tolist()` is the one device→host sync per MoE layer. `align` > 1 pads each local expert's group
+    (`pad_groups`), without another sync.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, n_experts: int, align: int = 1):
+        self.group = group
+        self.ep = dist.get_world_size(group)
+        self.n_local = n_experts // self.ep
+        self.align = align
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 tokens_per_expert: torch.Tensor):
+        order = topk_idx.flatten().argsort(stable=True)  # by expert, hence by destination rank
+        send_x = x[order // topk_idx.size(1)]
+        # received[src, e]: copies rank src sends to our local expert e
+        even = [self.n_local] * self.ep
+        received = exchange(tokens_per_expert, even, even, self.group).view(self.ep, self.n_local)
+        splits = torch.cat([tokens_per_expert.view(self.ep, self.n_local).sum(1), received.sum(1)])
+        splits = splits.tolist()  # the one device→host sync of this layer
+        send_splits, recv_splits = splits[:self.ep], splits[self.ep:]
+        recv_x = all_to_all(send_x, recv_splits, send_splits, self.group)  # [src][local expert] order
+        local_expert = torch.arange(self.n_local, device=x.device).repeat(self.ep)
+        expert_of_row = local_expert.repeat_interleave(received.flatten(), output_size=recv_x.size(0))
+        local_order = expert_of_row.argsort(stable=True)  # → [local expert][src] order
+        expert_x, tokens_per_local_expert, rows = recv_x[local_order], received.sum(0), None
+        # N varies by step: few buffer sizes (bucket); none received: zero rows for every expert
+        if pads_groups(self.align, x.device) or not recv_x.size(0):
+            expert_x, tokens_per_local_expert, rows = pad_groups(
+                expert_x, expert_of_row[local_order], tokens_per_local_expert, self.align, bucket=True)
+        return expert_x, tokens_per_local_expert, (order, topk_weights, local_order, rows, send_splits, recv_splits)
+
+    def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
+        order, topk_weights, local_order, rows, send_splits, recv_splits = ctx
+        if rows is not None:
+            expert_y = expert_y[rows]  # the real rows only
+        recv_y = torch.empty_like(expert_y).index_copy_(0, local_order, expert_y)
+        sorted_y = all_to_all(recv_y, send_splits, recv_splits, self.group)
+        return combine_token_copies(sorted_y, order, topk_weights)
+
+    def wait(self, y: torch.Tensor) -> torch.Tensor:
+        return y
+
 
 SUPPORTED_EP = (2, 4, 8)  # DeepEP's intranode (NVLink) kernels; more ranks need its NVSHMEM internode build
 _buffer = None  # the process's deep_ep.Buffer
