@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from dsv3 import checkpoint, dispatch, optim, parallel, quant
+from dsv3 import checkpoint, dispatch, export, optim, parallel, quant, rundir
 from dsv3.config import Config, TrainConfig, UserError, help_text, load_config, run_main
 from dsv3.data import MixtureLoader, PackedLoader, check_sources, data_tokenizer, describe_mixture
 from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, import_wandb,
@@ -208,9 +208,9 @@ def main(argv: list[str] | None = None) -> None:
                                  torch.cuda.get_device_properties(device).total_memory)
     check_sources(cfg.data.mixture(), mcfg.vocab_size, cfg.checkpoint.init_from)
     if cfg.checkpoint.init_from:
-        checkpoint.check_init_from(cfg.checkpoint.init_from, mcfg)
+        export.check_init_from(cfg.checkpoint.init_from, mcfg)
     run_dir = Path(cfg.checkpoint.dir)
-    checkpoint.lock_run_dir(run_dir, create=not cfg.checkpoint.resume)  # one run per directory, until it ends
+    rundir.lock_run_dir(run_dir, create=not cfg.checkpoint.resume)  # one run per directory, until it ends
     found = checkpoint.checkpoints(run_dir)
     if found and not cfg.checkpoint.resume:
         raise UserError(f"checkpoint.dir={run_dir} already holds checkpoints "
@@ -221,12 +221,12 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             print(f"{resume_path} is the end of this run (train.steps={t.steps}): nothing to train; raise "
                   f"--train.steps to continue it")
-        checkpoint.unlock_run_dir(run_dir)
+        rundir.unlock_run_dir(run_dir)
         if dist.is_initialized():
             dist.destroy_process_group()
         return
     n_params, _ = parameter_counts(mcfg)
-    checkpoint.check_free_space(run_dir, checkpoint.estimated_bytes(n_params, t.optimizer_state_dtype))
+    rundir.check_free_space(run_dir, rundir.estimated_bytes(n_params, t.optimizer_state_dtype))
     loader = MixtureLoader(cfg.data.mixture(), "train", t.seq_len, rank, world, seed=t.seed)
     if t.val_every:
         MixtureLoader(cfg.data.mixture(), "val", t.seq_len)  # fail now, not at the first validation
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             print(f"resumed from {resume_path} at step {start_step}")
     elif cfg.checkpoint.init_from:
-        checkpoint.load_weights(cfg.checkpoint.init_from, model)
+        export.load_weights(cfg.checkpoint.init_from, model)
 
     logger = MetricsLogger(str(run_dir), asdict(cfg), enabled=rank == 0, use_wandb=cfg.log.wandb,
                            project=cfg.log.project, run_name=cfg.log.run_name, total_steps=t.steps,
@@ -323,13 +323,13 @@ def main(argv: list[str] | None = None) -> None:
         for step in unconfirmed:  # the last update has no next step to judge it; its own grad norm was judged
             checkpoint.confirm(run_dir, step, cfg.checkpoint.keep)
         if cfg.checkpoint.export:
-            checkpoint.export(run_dir / "export", model, mcfg, data_tokenizer(cfg.data.mixture()))
+            export.export(run_dir / "export", model, mcfg, data_tokenizer(cfg.data.mixture()))
     elif rank == 0:
         saved = (f"saved {run_dir / f'step-{step}'}; continue with: {resume_command(argv)}" if cfg.checkpoint.every
                  else "nothing saved (checkpoint.every=0)")
         print(f"stopped by {stopping.name} after step {step} of {t.steps}: {saved}", flush=True)
     logger.close()
-    checkpoint.unlock_run_dir(run_dir)
+    rundir.unlock_run_dir(run_dir)
     dispatch.close()  # DeepEP's buffer, if any: before the process group goes
     if dist.is_initialized():
         dist.barrier()  # no rank tears the group down while another still talks to it

@@ -1,51 +1,41 @@
 """Training checkpoints with torch.distributed.checkpoint (sharded, reshardable: save at world 4, resume
-at 2 or 1) and the final safetensors export, written by every rank. A checkpoint is written to `step-N.tmp/` and
-renamed to `step-N/` only when complete, so a crash mid-save never touches the last good one.
+at 2 or 1). A checkpoint is written to `step-N.tmp/` and renamed to `step-N/` only when complete, so a crash
+mid-save never touches the last good one.
 
-The run directory is guarded too: one run at a time holds it (`lock_run_dir`), every checkpoint carries a
-manifest of its files' sizes and checksums that resume verifies (`resume_from` falls back to an older one when a
-file is damaged), and a checkpoint stays *unconfirmed* until the step after it trained healthily (`confirm`):
-the weights an exploding update produced show only in the next step's loss, so `discard_after` moves the
-unconfirmed ones aside when the run diverges and rotation never deletes the newest confirmed one."""
+Every checkpoint carries a manifest of its files' sizes and checksums that resume verifies (`resume_from` falls
+back to an older one when a file is damaged), and a checkpoint stays *unconfirmed* until the step after it trained
+healthily (`confirm`): the weights an exploding update produced show only in the next step's loss, so
+`discard_after` moves the unconfirmed ones aside when the run diverges and rotation never deletes the newest
+confirmed one."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
-import fcntl
 import json
 import os
 import re
 import shutil
-import socket
 import sys
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 from torch import nn
-# what HuggingFaceStorageWriter(enable_consolidation=True) runs, on rank 0 alone; torchtitan imports it the same way
-from torch.distributed.checkpoint._consolidate_hf_safetensors import (consolidate_safetensors_files,
-                                                                       consolidate_safetensors_files_on_every_rank)
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from dsv3.config import ModelConfig, UserError
-from dsv3.hf import load_config_json, model_shapes, save_config
-from dsv3.tokenizer import Tokenizer
+from dsv3.config import UserError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"  # {"files": {name: {"size": bytes, "crc32": int}}}, written last inside step-N.tmp
 UNCONFIRMED = "unconfirmed"  # marker: the step after this checkpoint has not been seen healthy yet
 _CHUNK = 16 << 20
-_held_locks: dict[Path, IO] = {}
 
 
 def _rank() -> int:
@@ -266,70 +256,6 @@ def resume_from(run_dir: str | Path, checksums: bool = True) -> Path:
                     f"restore one from a backup, or drop --resume to start a new run")
 
 
-def lock_run_dir(run_dir: str | Path, create: bool = True) -> None:
-    """Hold an OS lock on `run_dir/lock` (rank 0; the OS drops it when the process dies) for this run's life:
-    a second run on the same directory is refused with the holder's pid and host, on every rank. create=False
-    (resuming) leaves a missing directory missing, for `resume_from` to report."""
-    run_dir = Path(run_dir).resolve()
-    problem = None
-    if _rank() == 0 and (create or run_dir.is_dir()):
-        stale = _held_locks.pop(run_dir, None)  # an earlier run in this process that ended by an exception
-        if stale is not None:
-            stale.close()
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            lock = open(run_dir / "lock", "a+")
-        except OSError as e:
-            problem = f"checkpoint.dir={run_dir} cannot be written ({e.strerror}): choose a writable --checkpoint.dir"
-        else:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                lock.seek(0)
-                holder = lock.read().split() or ["?", "?"]
-                lock.close()
-                problem = (f"checkpoint.dir={run_dir} is in use by another run (pid {holder[0]} on host "
-                           f"{holder[-1]}): wait for it to end, or give this run its own --checkpoint.dir")
-            else:
-                lock.truncate(0)
-                lock.write(f"{os.getpid()} {socket.gethostname()}\n")
-                lock.flush()
-                _held_locks[run_dir] = lock
-    if dist.is_initialized():  # every rank stops, or none: a lone rank 0 exit would hang the others
-        shared = [problem]
-        dist.broadcast_object_list(shared, src=0)
-        problem = shared[0]
-    if problem:
-        raise UserError(problem)
-
-
-def unlock_run_dir(run_dir: str | Path) -> None:
-    lock = _held_locks.pop(Path(run_dir).resolve(), None)
-    if lock is not None:
-        lock.close()
-
-
-def estimated_bytes(n_params: int, optimizer_state_dtype: str) -> int:
-    """One checkpoint's size: fp32 weights and AdamW's two moments per parameter."""
-    return n_params * (4 + 2 * (2 if optimizer_state_dtype == "bf16" else 4))
-
-
-def check_free_space(run_dir: str | Path, checkpoint_bytes: int) -> None:
-    """Refuse to start when `run_dir` is not writable or cannot hold one more checkpoint."""
-    run_dir = Path(run_dir)
-    probe = run_dir / f".write-test-{os.getpid()}"
-    try:
-        probe.write_bytes(b"x")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"checkpoint.dir={run_dir} is not writable ({e.strerror}): choose another "
-                        f"--checkpoint.dir") from e
-    free = shutil.disk_usage(run_dir).free
-    if free < checkpoint_bytes:
-        raise UserError(f"checkpoint.dir={run_dir} has {free / 2**30:.1f} GiB free but one checkpoint needs about "
-                        f"{checkpoint_bytes / 2**30:.1f} GiB: free space, or choose another --checkpoint.dir")
-
-
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
          train_state: dict[str, Any]) -> dict[str, Any]:
     """Load a checkpoint into the (possibly differently sharded) model and optimizer; returns the saved
@@ -367,94 +293,3 @@ def _restore_rng(path: Path) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def check_init_from(path: str | Path, cfg: ModelConfig) -> None:
-    """Refuse, before anything is built, a checkpoint.init_from that holds no dsv3 weights (no safetensors at all,
-    or a Hugging Face checkpoint: its config.json names a model_type, its tensors are named model.layers.*), or
-    weights of other shapes than this model's, naming the [model] overrides that would fit them (from the
-    config.json an export or convert_hf.py --to-dsv3 writes)."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise UserError(f"checkpoint.init_from={path} holds no *.safetensors: point it at an export, or convert an "
-                        f"HF model with python scripts/convert_hf.py --to-dsv3 HF_DIR OUT_DIR")
-    config_json = Path(path) / "config.json"
-    hf_config = config_json.is_file() and "model_type" in json.loads(config_json.read_text())
-    with safe_open(files[0], "pt") as f:
-        hf_names = any(name.startswith("model.") for name in f.keys())
-    if hf_config or hf_names:
-        raise UserError(f"checkpoint.init_from={path} is a Hugging Face checkpoint: convert it first with "
-                        f"python scripts/convert_hf.py --to-dsv3 {path} OUT_DIR, then pass "
-                        f"--checkpoint.init_from=OUT_DIR")
-    if not config_json.is_file():
-        return  # load_weights still checks every key
-    try:
-        saved = load_config_json(config_json)
-    except ValueError as e:
-        raise UserError(f"checkpoint.init_from: {e}") from None
-    if model_shapes(saved) != model_shapes(cfg):
-        fix = " ".join(f"--model.{f.name}={json.dumps(getattr(saved, f.name))}" for f in dataclasses.fields(cfg)
-                       if getattr(saved, f.name) != getattr(cfg, f.name))
-        raise UserError(f"checkpoint.init_from={path} holds a model of other shapes than this config's: "
-                        f"match its config.json, e.g. {fix}")
-
-
-def load_weights(path: str | Path, model: nn.Module) -> None:
-    """Initialise the (possibly sharded) model from a dsv3 safetensors directory; each rank reads only
-    the slices it holds, so a 671B import never passes through one process."""
-    state = get_model_state_dict(model)
-    on_disk = set()
-    for file in Path(path).glob("*.safetensors"):
-        with safe_open(file, "pt") as f:
-            on_disk |= set(f.keys())
-    missing, unexpected = sorted(state.keys() - on_disk), sorted(on_disk - state.keys())
-    if missing or unexpected:
-        raise UserError(f"checkpoint.init_from={path} does not fit this model: missing {missing[:10]} "
-                        f"({len(missing)}), unexpected {unexpected[:10]} ({len(unexpected)}); check the flavor "
-                        f"and [model] overrides against its config.json")
-    with _quiet_without_group():
-        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
-    set_model_state_dict(model, state)
-
-
-def export(out_dir: str | Path, model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer | None = None) -> None:
-    """Write the model as HF-style safetensors with dsv3 names and full tensors (`model-0000i-of-0000N.safetensors`,
-    one file per block and one for the rest, + `model.safetensors.index.json`), `config.json` (ModelConfig
-    fields) and the tokenizer it was trained with, atomically: into `out_dir.tmp/`, renamed when complete.
-
-    No process ever holds the whole model (a 671B one is 2.7 TB in fp32): every rank writes its own shards, then
-    every rank assembles its share of the files from them, one tensor at a time."""
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    _barrier()
-    state = get_model_state_dict(model)
-    file_of = _file_per_block(state)
-    writer = dcp.HuggingFaceStorageWriter(str(tmp / "sharded"), fqn_to_index_mapping=file_of, save_distributed=True)
-    with _quiet_without_group():
-        dcp.save(state, storage_writer=writer)
-    if dist.is_initialized():
-        consolidate_safetensors_files_on_every_rank(str(tmp / "sharded"), str(tmp), file_of)
-    else:
-        consolidate_safetensors_files(str(tmp / "sharded"), str(tmp), file_of)
-    _barrier()
-    if _rank() == 0:
-        shutil.rmtree(tmp / "sharded")
-        save_config(cfg, tmp / "config.json")
-        if tokenizer is not None:
-            tokenizer.save(tmp)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.replace(tmp, out_dir)
-    _barrier()
-
-
-def _file_per_block(state: dict[str, Any]) -> dict[str, int]:
-    """Output file (1..N) of each tensor: one per transformer block and MTP module, one for the embedding, final
-    norm and head. Files are what ranks share out when assembling an export."""
-    def block(name: str) -> tuple[str, int]:
-        parts = name.split(".")
-        return (parts[0], int(parts[1])) if parts[0] in ("layers", "mtp") else ("", 0)
-
-    index = {key: i for i, key in enumerate(sorted({block(name) for name in state}), start=1)}
-    return {name: index[block(name)] for name in state}

@@ -22,8 +22,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import train
-from dsv3 import checkpoint, optim
+from dsv3 import checkpoint, optim, rundir
 from dsv3.config import FLAVORS, ModelConfig, TrainConfig, UserError
+from dsv3.export import load_weights
 from dsv3.model import Transformer
 from conftest import free_port, load_export, torchrun_env, read_metrics
 
@@ -105,7 +106,7 @@ def test_resume_restores_the_rng_stream_at_the_same_world_size(tmp_path, device)
 
 def test_export_written_by_two_ranks_holds_the_full_model(tmp_path):
     """Each rank writes its shards and assembles its share of the files: full tensors, one file per block, equal
-    to the last checkpoint; readable by plain safetensors and by checkpoint.load_weights; nothing left behind."""
+    to the last checkpoint; readable by plain safetensors and by export.load_weights; nothing left behind."""
     launch(2, [*ARGS, "--parallel.ep=2", "--train.steps=2", "--checkpoint.every=2", "--checkpoint.export=true",
                f"--checkpoint.dir={tmp_path}"])
     export = tmp_path / "export"
@@ -125,7 +126,7 @@ def test_export_written_by_two_ranks_holds_the_full_model(tmp_path):
     exported = Transformer(cfg)
     exported.load_state_dict(load_export(export), strict=True)  # full shapes, every name
     imported = Transformer(cfg)
-    checkpoint.load_weights(export, imported)
+    load_weights(export, imported)
     for name, value in trained.state_dict().items():
         torch.testing.assert_close(exported.state_dict()[name], value, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(imported.state_dict()[name], value, rtol=0, atol=0, msg=name)
@@ -217,8 +218,8 @@ def test_a_full_disk_during_a_save_names_the_path_and_keeps_the_last_checkpoint(
 
 def test_a_run_directory_without_room_for_one_checkpoint_is_refused(tmp_path):
     with pytest.raises(UserError, match="has .* GiB free but one checkpoint needs about"):
-        checkpoint.check_free_space(tmp_path, 1 << 60)
-    checkpoint.check_free_space(tmp_path, 1 << 10)
+        rundir.check_free_space(tmp_path, 1 << 60)
+    rundir.check_free_space(tmp_path, 1 << 10)
 
 
 def _rename_fails_on_rank_0(rank: int, world: int, port: int, run_dir: Path, results: Path) -> None:
@@ -252,9 +253,9 @@ def test_a_rename_that_fails_on_rank_0_ends_every_rank_with_its_error(tmp_path):
 _HOLD_LOCK = """
 import sys, time
 sys.path.insert(0, {root!r})
-from dsv3 import checkpoint, optim
+from dsv3 import optim, rundir
 from dsv3.config import UserError
-checkpoint.lock_run_dir({run_dir!r})
+rundir.lock_run_dir({run_dir!r})
 print("locked", flush=True)
 time.sleep(120)
 """
@@ -264,7 +265,7 @@ def _lock_rank(rank: int, world: int, port: int, run_dir: Path, results: Path) -
     torchrun_env(rank, world, port)
     dist.init_process_group("gloo")
     try:
-        checkpoint.lock_run_dir(run_dir)
+        rundir.lock_run_dir(run_dir)
         outcome = "locked"
     except UserError as e:
         outcome = str(e)
@@ -285,9 +286,9 @@ def test_a_second_run_on_a_locked_directory_is_refused_on_every_rank_until_the_h
     finally:
         holder.kill()  # as kill -9: the OS releases its lock
         holder.wait()
-    checkpoint.lock_run_dir(tmp_path)
+    rundir.lock_run_dir(tmp_path)
     assert (tmp_path / "lock").read_text() == f"{os.getpid()} {socket.gethostname()}\n"
-    checkpoint.unlock_run_dir(tmp_path)
+    rundir.unlock_run_dir(tmp_path)
 
 
 def _with_compute_copies(seed: int = 0) -> tuple[Transformer, torch.optim.Optimizer, TrainConfig]:

@@ -1,0 +1,82 @@
+"""The run directory's safety: one run at a time holds it (an OS lock, `lock_run_dir`), and a run does not start
+where it cannot write one more checkpoint (`check_free_space`)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import IO
+
+import torch.distributed as dist
+
+from dsv3.checkpoint import _rank
+from dsv3.config import UserError
+
+_held_locks: dict[Path, IO] = {}
+
+
+def lock_run_dir(run_dir: str | Path, create: bool = True) -> None:
+    """Hold an OS lock on `run_dir/lock` (rank 0; the OS drops it when the process dies) for this run's life:
+    a second run on the same directory is refused with the holder's pid and host, on every rank. create=False
+    (resuming) leaves a missing directory missing, for `resume_from` to report."""
+    run_dir = Path(run_dir).resolve()
+    problem = None
+    if _rank() == 0 and (create or run_dir.is_dir()):
+        stale = _held_locks.pop(run_dir, None)  # an earlier run in this process that ended by an exception
+        if stale is not None:
+            stale.close()
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock = open(run_dir / "lock", "a+")
+        except OSError as e:
+            problem = f"checkpoint.dir={run_dir} cannot be written ({e.strerror}): choose a writable --checkpoint.dir"
+        else:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                holder = lock.read().split() or ["?", "?"]
+                lock.close()
+                problem = (f"checkpoint.dir={run_dir} is in use by another run (pid {holder[0]} on host "
+                           f"{holder[-1]}): wait for it to end, or give this run its own --checkpoint.dir")
+            else:
+                lock.truncate(0)
+                lock.write(f"{os.getpid()} {socket.gethostname()}\n")
+                lock.flush()
+                _held_locks[run_dir] = lock
+    if dist.is_initialized():  # every rank stops, or none: a lone rank 0 exit would hang the others
+        shared = [problem]
+        dist.broadcast_object_list(shared, src=0)
+        problem = shared[0]
+    if problem:
+        raise UserError(problem)
+
+
+def unlock_run_dir(run_dir: str | Path) -> None:
+    lock = _held_locks.pop(Path(run_dir).resolve(), None)
+    if lock is not None:
+        lock.close()
+
+
+def estimated_bytes(n_params: int, optimizer_state_dtype: str) -> int:
+    """One checkpoint's size: fp32 weights and AdamW's two moments per parameter."""
+    return n_params * (4 + 2 * (2 if optimizer_state_dtype == "bf16" else 4))
+
+
+def check_free_space(run_dir: str | Path, checkpoint_bytes: int) -> None:
+    """Refuse to start when `run_dir` is not writable or cannot hold one more checkpoint."""
+    run_dir = Path(run_dir)
+    probe = run_dir / f".write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"checkpoint.dir={run_dir} is not writable ({e.strerror}): choose another "
+                        f"--checkpoint.dir") from e
+    free = shutil.disk_usage(run_dir).free
+    if free < checkpoint_bytes:
+        raise UserError(f"checkpoint.dir={run_dir} has {free / 2**30:.1f} GiB free but one checkpoint needs about "
+                        f"{checkpoint_bytes / 2**30:.1f} GiB: free space, or choose another --checkpoint.dir")
