@@ -213,10 +213,13 @@ class Transformer(nn.Module):
         counts = torch.stack(tokens_per_expert) if tokens_per_expert else tokens.new_zeros(0, 0)
         return TrainOutput(loss, mtp_losses, balance_loss, counts)
 
+    def blocks(self) -> list[nn.Module]:
+        """The transformer blocks in order: the main layers', then each MTP module's."""
+        return list(self.layers.values()) + [m.block for m in self.mtp]
+
     def routers(self) -> list:
         """The MoE routers in the order of TrainOutput.tokens_per_expert."""
-        blocks = list(self.layers.values()) + [m.block for m in self.mtp]
-        return [b.ffn.gate for b in blocks if not isinstance(b.ffn, MLP)]
+        return [b.ffn.gate for b in self.blocks() if not isinstance(b.ffn, MLP)]
 
 
 def linear_cross_entropy(h: torch.Tensor, head: nn.Linear, targets: torch.Tensor, chunk: int = 4096) -> torch.Tensor:

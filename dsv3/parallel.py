@@ -72,10 +72,6 @@ def moe_layers(model: Transformer) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def blocks(model: Transformer) -> list[nn.Module]:
-    return list(model.layers.values()) + [m.block for m in model.mtp]
-
-
 def check_ep_backend(backend: str, ep: int, device: torch.device, deepep_sms: int = 24) -> None:
     """`parallel.ep_backend=deepep` needs CUDA, an importable deep_ep and ep ∈ {2, 4, 8} on one host."""
     if backend == "deepep":
@@ -106,7 +102,7 @@ def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, red
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     world = meshes.dense.size()
     expert_mesh = meshes.experts["efsdp"] if ep > 1 else meshes.dense
-    for block in blocks(model):
+    for block in model.blocks():
         if isinstance(block.ffn, MoE):
             # experts on a 1-rank FSDP mesh (ep == world) hold whole shards: resharding them after forward would
             # only cast and copy them again for backward
@@ -121,7 +117,7 @@ def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, red
     fully_shard(model, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=False)
     if ep > 1:
         # EP's blocking split-size copy stalls FSDP's implicit prefetch: prefetch the next block explicitly.
-        chain = blocks(model)
+        chain = model.blocks()
         for prev, nxt in zip(chain, chain[1:]):
             prev.set_modules_to_forward_prefetch([nxt])
             nxt.set_modules_to_backward_prefetch([prev])
@@ -188,7 +184,7 @@ def apply_compile(model: Transformer, backend: str | Callable = "inductor") -> N
     16B step on one H100 (selective AC, 82.1k against 89.8k tokens/s). Call after `apply_expert_parallel`."""
     # only the local dispatcher hands the experts the same number of rows every time
     shapes_change = len(model.mtp) > 0 or any(not isinstance(m.dispatcher, LocalDispatcher) for m in moe_layers(model))
-    for block in blocks(model):
+    for block in model.blocks():
         inner = getattr(block, "_checkpoint_wrapped_module", None)
         if inner is not None and isinstance(inner.ffn, MoE):
             inner.compile(backend=backend, dynamic=True if shapes_change else None)

@@ -163,7 +163,7 @@ def _forward_state_worker(rank: int, world: int, ep: int, port: int, out_path: s
     model = _parallelize(Transformer(CFG), world, ep)
     tokens = _batches()[0, :2]
     model(tokens[:, :-1], tokens[:, 1:])
-    moe_blocks = [b for b in parallel.blocks(model) if isinstance(b.ffn, MoE)]
+    moe_blocks = [b for b in model.blocks() if isinstance(b.ffn, MoE)]
     # gathered over FSDP: an expert stack is sharded over the EP mesh alone (1-D), not over (efsdp, ep)
     experts_gathered = [b.ffn.experts.w13.device_mesh.ndim == 1 for b in moe_blocks]
     attention_gathered = [not isinstance(b.attn.wo.weight, dist.tensor.DTensor) for b in moe_blocks]
@@ -313,7 +313,7 @@ def test_selective_ac_recompute_does_not_exchange_again(tmp_path):
     mp.spawn(_exchange_count_worker, args=(2, free_port(), str(out)), nprocs=2)
     counts = torch.load(out)
     # per MoE layer: counts, tokens and the combine forward, two reverse exchanges in backward
-    assert counts["none"] == 5 * len([b for b in parallel.blocks(Transformer(CFG)) if isinstance(b.ffn, MoE)])
+    assert counts["none"] == 5 * len([b for b in Transformer(CFG).blocks() if isinstance(b.ffn, MoE)])
     assert counts["selective"] == counts["none"], counts
 
 
