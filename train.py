@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr
         global_batch = batch_at(step, t, world)
-        batch = loader.next_batch(global_batch).to(device, non_blocking=True)
+        batch = parallel.to_device(loader.next_batch(global_batch), device)
         values, tokens_per_expert = train_step(model, optimizer, batch, t, step,
                                                cfg.parallel.accumulate_unsharded_grads)
         pending.append((step, values))

@@ -24,19 +24,32 @@ from dsv3.config import Config, ModelConfig, UserError
 def active_matmul_params(cfg: ModelConfig) -> int:
     """N_matmul_active: the matmul weights one token passes through (forward), embedding lookup excluded.
 
-    Per layer: MLA projections (wq or wq_a+wq_b, wkv_a, wkv_b, wo) + a dense SwiGLU (3·d·inter) or the MoE
-    (shared experts 3·d·n_shared·moe_inter, top-k routed experts K·3·d·moe_inter, router d·E).
-    Output head d·vocab. Each MTP depth adds eh_proj (2d·d), one MoE block and the head once more
-    (the shared head is applied again to its hidden states)."""
+    Per layer `layer_matmul_params`; output head d·vocab. Each MTP depth adds eh_proj (2d·d), one MoE block and
+    the head once more (the shared head is applied again to its hidden states)."""
     d = cfg.dim
-    attn = attention_params(cfg) - cfg.q_lora_rank - cfg.kv_lora_rank  # less the q/kv latent norms' scales
-    dense_mlp = 3 * d * cfg.inter_dim
-    moe = 3 * d * cfg.moe_inter_dim * (cfg.n_shared_experts + cfg.n_activated_experts) + d * cfg.n_routed_experts
     head = d * cfg.vocab_size
     n_moe = cfg.n_layers - cfg.n_dense_layers
     # MTP blocks have layer ids >= n_layers >= n_dense_layers, so they are always MoE blocks.
-    mtp = 2 * d * d + attn + moe + head
-    return cfg.n_layers * attn + cfg.n_dense_layers * dense_mlp + n_moe * moe + head + cfg.n_mtp_layers * mtp
+    mtp = 2 * d * d + layer_matmul_params(cfg, moe=True) + head
+    return (cfg.n_dense_layers * layer_matmul_params(cfg, moe=False) + n_moe * layer_matmul_params(cfg, moe=True)
+            + head + cfg.n_mtp_layers * mtp)
+
+
+def layer_matmul_params(cfg: ModelConfig, moe: bool) -> int:
+    """One block's matmul weights a token passes through: the MLA projections (wq or wq_a+wq_b, wkv_a, wkv_b, wo)
+    and a dense SwiGLU (3·d·inter) or the MoE (shared experts 3·d·n_shared·moe_inter, top-k routed experts
+    K·3·d·moe_inter, router d·E)."""
+    d = cfg.dim
+    attn = attention_params(cfg) - cfg.q_lora_rank - cfg.kv_lora_rank  # less the q/kv latent norms' scales
+    if not moe:
+        return attn + 3 * d * cfg.inter_dim
+    return attn + 3 * d * cfg.moe_inter_dim * (cfg.n_shared_experts + cfg.n_activated_experts) + d * cfg.n_routed_experts
+
+
+def layer_flops_per_token(cfg: ModelConfig, seq_len: int, moe: bool) -> float:
+    """Training FLOPs per token of one block (dense or MoE): 6·N_layer + 3·H·(d_n + d_r + d_v)·S, the two terms of
+    `flops_per_token` for one layer: what a block costs in a model of any depth, without embedding, head and loss."""
+    return float(6 * layer_matmul_params(cfg, moe) + 3 * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -262,7 +262,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             chunk_loss, grad_logits = loss_and_grad(h_c @ weight.t(), t_c, 1.0 / n_tokens, h.dtype)  # [c, vocab]
             loss += chunk_loss
             grad_h[start:start + chunk] = grad_logits @ weight
-            grad_weight += grad_logits.t() @ h_c  # accumulated over chunks in fp32
+            if h.is_cuda and h.dtype != torch.float32:  # the GEMM adds its bf16 product into the fp32 sum itself
+                torch.addmm(grad_weight, grad_logits.t(), h_c, out_dtype=torch.float32, out=grad_weight)
+            else:
+                grad_weight += grad_logits.t() @ h_c  # accumulated over chunks in fp32
         ctx.save_for_backward(grad_h, grad_weight.to(weight.dtype))
         return loss / n_tokens
 

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dsv3.parallel import to_device
+
 
 def _flat_local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard as a 1-D view: updates write through, and every parameter runs the same compiled kernel
@@ -229,8 +231,9 @@ class AdamW(torch.optim.Optimizer):
                     values = [group["lr"], 1 - beta1 ** t, (1 - beta2 ** t) ** 0.5]
                     scale = (torch.ones((), device=param.device) if grad_scale is None
                              else grad_scale.to(param.device))
-                    seed = torch.tensor(int(t) * 0x2545F491 % 2**31, device=param.device)  # a new rounding each step
-                    scalars[key] = (*torch.tensor(values, dtype=torch.float64).to(param.device).unbind(), scale, seed)
+                    seed = to_device(torch.tensor(int(t) * 0x2545F491 % 2**31), param.device)  # a new rounding each step
+                    values = to_device(torch.tensor(values, dtype=torch.float64), param.device)
+                    scalars[key] = (*values.unbind(), scale, seed)
                 lr, bias_correction1, bias_correction2_sqrt, scale, seed = scalars[key]
                 update = _adamw_update_cuda if param.is_cuda else adamw_update
                 update(param, _flat_local(grad), _flat_local(state["exp_avg"]), _flat_local(state["exp_avg_sq"]),

@@ -192,6 +192,15 @@ def apply_compile(model: Transformer, backend: str | Callable = "inductor") -> N
             block.compile(backend=backend)
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` (a CPU tensor) on `device`, without the CPU waiting for the GPU: a copy from pageable memory waits
+    until the GPU has done all the work queued before it, after which the GPU idles while the CPU launches the
+    next kernels. Pinned, the copy is queued like a kernel (the pinned buffer is kept until it has run)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """Skip FSDP's reduce-scatter on gradient-accumulation micro-steps."""
     if isinstance(model, FSDPModule):

@@ -2,7 +2,9 @@
 [--section.key=value ...]` (also under torchrun).
 
 Warm-up steps (compile, allocator), then timed steps on random tokens at train.py's lr schedule: tokens/s per GPU,
-MFU, peak memory; then a few profiled steps whose CUDA kernel time is split by phase from kernel names. At ep > 1
+MFU, peak memory; then a few steps timed block by block: each transformer layer's forward + backward time and MFU,
+dense and MoE, without the embedding, head, loss and optimizer (what a layer costs in a model of any depth, the
+61-layer one included); then a few profiled steps whose CUDA kernel time is split by phase from kernel names. At ep > 1
 it prints each EP rank's share of the routed tokens: at a constant full lr from step 1, random tokens collapse the
 routing within a few steps (one rank got every token), which is not a throughput anyone trains at.
 """
@@ -10,6 +12,7 @@ routing within a few steps (one rank got every token), which is not a throughput
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -17,13 +20,15 @@ import time
 from collections import defaultdict
 
 import torch
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train  # noqa: E402
 from dsv3 import parallel  # noqa: E402
 from dsv3.config import load_config, run_main  # noqa: E402
-from dsv3.metrics import flops_per_token, memory_stats, mfu, peak_flops  # noqa: E402
+from dsv3.metrics import flops_per_token, layer_flops_per_token, memory_stats, mfu, peak_flops  # noqa: E402
+from dsv3.model import MLP, Transformer  # noqa: E402
 
 # First match wins: kernel-name fragments (lower case; a tuple: all of them) → phase.
 PHASES = [
@@ -53,14 +58,99 @@ def phase_of(kernel: str) -> str:
     return "other"
 
 
+def _clock(device: torch.device) -> torch.cuda.Event | float:
+    """Now, in the device's order of work: a CUDA event recorded on the current stream, or the CPU's clock."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _ms(start: torch.cuda.Event | float, end: torch.cuda.Event | float) -> float:
+    return start.elapsed_time(end) if isinstance(start, torch.cuda.Event) else 1e3 * (end - start)
+
+
+class _TimedBlock(nn.Module):
+    """Stands in for a block while layers are timed; the block itself (compiled, checkpointed, sharded) runs
+    unchanged. Its forward is timed from entry to return; its backward from the moment its output's gradient is
+    complete (a hook on the output) to the moment its input's is (a hook on the input)."""
+
+    def __init__(self, block: nn.Module, device: torch.device):
+        super().__init__()
+        self.block, self.device = block, device
+        self.forward_marks: list = []  # (start, end) per forward
+        self.backward_starts: list = []
+        self.backward_ends: list = []
+
+    @property
+    def ffn(self) -> nn.Module:  # Transformer.routers() looks for the block's MoE here
+        return self.block.ffn
+
+    def forward(self, x: torch.Tensor, *args):
+        start = _clock(self.device)
+        if x.requires_grad:
+            x.register_hook(lambda _: self.backward_ends.append(_clock(self.device)))
+        out = self.block(x, *args)
+        self.forward_marks.append((start, _clock(self.device)))
+        if out[0].requires_grad:
+            out[0].register_hook(lambda _: self.backward_starts.append(_clock(self.device)))
+        return out
+
+    def milliseconds(self) -> tuple[float, float]:
+        """(forward, backward) ms summed over every call so far."""
+        forward = sum(_ms(a, b) for a, b in self.forward_marks)
+        return forward, sum(_ms(a, b) for a, b in zip(self.backward_starts, self.backward_ends, strict=True))
+
+
+@contextlib.contextmanager
+def timed_blocks(model: Transformer, device: torch.device) -> list[_TimedBlock]:
+    """Within: each block of `model` (main layers, then MTP) wrapped in a _TimedBlock, the wrappers yielded."""
+    slots = [(model.layers, key) for key in model.layers] + [(m, "block") for m in model.mtp]
+    originals = [getattr(owner, key) for owner, key in slots]
+    timed = [_TimedBlock(block, device) for block in originals]
+    for (owner, key), wrapper in zip(slots, timed):
+        setattr(owner, key, wrapper)
+    try:
+        yield timed
+    finally:
+        for (owner, key), block in zip(slots, originals):
+            setattr(owner, key, block)
+
+
+def layer_times(model: Transformer, step, steps: int, device: torch.device, tokens: int, seq_len: int,
+                peak: float | None) -> dict:
+    """Run `step` (i → None) `steps` times with every block timed: per main-layer kind (dense, MoE), its mean
+    forward and backward ms per step and its MFU at `tokens` per step (`peak` FLOP/s; None: no MFU)."""
+    with timed_blocks(model, device) as timed:
+        for i in range(steps):
+            step(i + 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    per_kind: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for wrapper in timed[:len(model.layers)]:
+        forward, backward = wrapper.milliseconds()
+        per_kind["dense" if isinstance(wrapper.ffn, MLP) else "moe"].append((forward / steps, backward / steps))
+    result = {}
+    for kind, times in per_kind.items():
+        forward, backward = (sum(t) / len(times) for t in zip(*times))
+        flops = layer_flops_per_token(model.cfg, seq_len, moe=kind == "moe") * tokens
+        result[kind] = {"layers": len(times), "forward_ms": forward, "backward_ms": backward,
+                        "ms": forward + backward,
+                        "mfu": flops / ((forward + backward) / 1e3) / peak if peak else None}
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--layer-steps", type=int, default=3, help="steps timed block by block (0: none)")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--kernels", help="write every profiled CUDA kernel (ms per step, phase) to this TSV file")
+    parser.add_argument("--trace", help="write a Chrome trace (CPU ops and CUDA kernels) of the profiled steps here")
     args, overrides = parser.parse_known_args()
     cfg = load_config(args.config, overrides)
     mcfg, t = cfg.model_config(), cfg.train
@@ -77,7 +167,7 @@ def main() -> None:
         for group in optimizer.param_groups:  # train.py's schedule (see the module docstring)
             group["lr"] = train.lr_at(i, t)
         batch = torch.randint(0, mcfg.vocab_size, (local_batch, t.seq_len + 1), generator=generator)
-        values, tokens_per_expert = train.train_step(model, optimizer, batch.to(device, non_blocking=True), t, i,
+        values, tokens_per_expert = train.train_step(model, optimizer, parallel.to_device(batch, device), t, i,
                                                      cfg.parallel.accumulate_unsharded_grads)
         losses.append(values[0])
         loads.append(tokens_per_expert)
@@ -114,23 +204,31 @@ def main() -> None:
         share = per_rank / per_rank.sum(-1, keepdim=True)  # [steps, L, ep]
         result["ep_rank_share_min_max"] = [share.min().item(), share.max().item()]
 
+    if args.layer_steps:
+        result["layer"] = layer_times(model, step, args.layer_steps, device, local_batch * t.seq_len, t.seq_len, peak)
+
     if args.profile_steps and device.type == "cuda":
         activities = [torch.profiler.ProfilerActivity.CUDA]
+        if args.trace:  # the host side too: what the CPU was doing while the GPU waited
+            activities.append(torch.profiler.ProfilerActivity.CPU)
         with torch.profiler.profile(activities=activities) as prof:
             for i in range(args.profile_steps):
                 step(i + 1)
             synchronize()
+        ms: dict[str, float] = defaultdict(float)  # kernel name → ms per step
+        for event in prof.events():  # kernels only: with CPU activity on, user annotations show on the GPU too
+            if event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
+                ms[event.name] += event.device_time_total / 1e3 / args.profile_steps
+        ms = dict(sorted(ms.items(), key=lambda kv: -kv[1]))
         per_phase: dict[str, float] = defaultdict(float)
-        for event in prof.key_averages():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                per_phase[phase_of(event.key)] += event.self_device_time_total / 1e3 / args.profile_steps
+        for key, kernel_ms in ms.items():
+            per_phase[phase_of(key)] += kernel_ms
         busy = sum(per_phase.values())
         per_phase["idle (host, syncs)"] = max(1e3 * step_s - busy, 0.0)
         result["phase_ms"] = dict(sorted(per_phase.items(), key=lambda kv: -kv[1]))
-        kernels = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA),
-                         key=lambda e: -e.self_device_time_total)
-        ms = {e.key: e.self_device_time_total / 1e3 / args.profile_steps for e in kernels}
         result["top_kernels_ms"] = {key[:100]: ms[key] for key in list(ms)[:15]}
+        if args.trace and rank == 0:
+            prof.export_chrome_trace(args.trace)
         if args.kernels and rank == 0:
             with open(args.kernels, "w") as f:
                 f.writelines(f"{t:.3f}\t{phase_of(key)}\t{key}\n" for key, t in ms.items())
@@ -149,6 +247,10 @@ def main() -> None:
             if "ep_rank_share_min_max" in result:
                 low, high = result["ep_rank_share_min_max"]
                 print(f"  routed tokens per EP rank: {100 * low:.1f}% to {100 * high:.1f}% of each layer's")
+            for kind, layer in result.get("layer", {}).items():
+                layer_mfu = f"{100 * layer['mfu']:.1f}%" if layer["mfu"] else "n/a"
+                print(f"  {'dense' if kind == 'dense' else 'MoE'} layer (×{layer['layers']}): {layer['ms']:.1f} ms "
+                      f"(forward {layer['forward_ms']:.1f}, backward {layer['backward_ms']:.1f}), MFU {layer_mfu}")
             for phase, ms in result.get("phase_ms", {}).items():
                 print(f"  {phase:<24} {ms:8.1f} ms  {100 * ms / result['step_ms']:5.1f}%")
             for kernel, ms in result.get("top_kernels_ms", {}).items():

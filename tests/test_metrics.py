@@ -14,7 +14,7 @@ import torch
 from dsv3.config import FLAVORS, UserError, load_config
 from dsv3.plan import plan
 from dsv3.metrics import (DivergenceGuard, MetricsLogger, _wandb_mode, active_matmul_params, expert_load_stats,
-                          flops_per_token, mfu, parameter_counts, peak_flops, startup_banner)
+                          flops_per_token, layer_flops_per_token, mfu, parameter_counts, peak_flops, startup_banner)
 from dsv3.model import Transformer
 
 
@@ -75,6 +75,15 @@ def test_flops_grow_with_seq_len_by_exactly_the_attention_term():
     per_extra_position = 3 * L * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
     assert flops_per_token(cfg, 8192) - flops_per_token(cfg, 4096) == per_extra_position * 4096
     assert flops_per_token(cfg, 4096) == 6 * active_matmul_params(cfg) + per_extra_position * 4096
+
+
+@pytest.mark.parametrize("flavor", ["16B", "671B"])
+def test_the_layers_flops_and_the_head_make_up_the_whole_model(flavor):
+    cfg = dataclasses.replace(FLAVORS[flavor], n_mtp_layers=0)
+    n_moe = cfg.n_layers - cfg.n_dense_layers
+    layers = (cfg.n_dense_layers * layer_flops_per_token(cfg, 4096, moe=False)
+              + n_moe * layer_flops_per_token(cfg, 4096, moe=True))
+    assert flops_per_token(cfg, 4096) == layers + 6 * cfg.dim * cfg.vocab_size
 
 
 def test_mfu_is_achieved_over_peak():

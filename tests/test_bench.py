@@ -1,0 +1,52 @@
+"""scripts/bench.py's per-layer timing on the CPU: every block timed once per forward and backward, in the
+order autograd runs them, and the model left as it was."""
+
+import pytest
+import torch
+
+import train
+from dsv3.config import load_config
+from scripts.bench import layer_times, timed_blocks
+
+
+@pytest.fixture
+def debug_run():
+    cfg = load_config("configs/debug.toml", ["--train.global_batch=2", "--train.micro_batch=2", "--train.seq_len=32",
+                                             "--model.n_layers=3", "--model.n_mtp_layers=1"])
+    model = train.build_model(cfg, 1, torch.device("cpu"))
+    optimizer = train.build_optimizer(model, cfg.train, torch.device("cpu"))
+    batch = torch.randint(0, cfg.model_config().vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+
+    def step(i: int) -> None:
+        train.train_step(model, optimizer, batch, cfg.train, i)
+
+    return cfg, model, step
+
+
+def test_every_block_is_timed_forward_then_backward_in_reverse_order(debug_run):
+    cfg, model, step = debug_run
+    blocks = model.blocks()
+    with timed_blocks(model, torch.device("cpu")) as timed:
+        assert model.blocks() == timed and len(model.routers()) == 3  # 2 MoE layers + the MTP block's
+        step(1)
+    assert model.blocks() == blocks  # the blocks themselves again, the wrappers gone
+    for wrapper in timed:
+        assert len(wrapper.forward_marks) == len(wrapper.backward_starts) == len(wrapper.backward_ends) == 1
+        (forward_start, forward_end), = wrapper.forward_marks
+        assert forward_start < forward_end < wrapper.backward_starts[0] < wrapper.backward_ends[0]
+    main = timed[:cfg.model_config().n_layers]
+    for later, earlier in zip(main[1:], main[:-1]):  # backward runs the layers last to first
+        # later's input is earlier's output: one gradient ends later's backward and starts earlier's
+        assert later.backward_starts[0] < earlier.backward_starts[0]
+        assert later.backward_ends[0] < earlier.backward_ends[0]
+        assert earlier.forward_marks[0][1] <= later.forward_marks[0][0]
+
+
+def test_layer_times_split_dense_and_moe_layers(debug_run):
+    cfg, model, step = debug_run
+    result = layer_times(model, step, 2, torch.device("cpu"), tokens=64, seq_len=32, peak=1e12)
+    mc = cfg.model_config()
+    assert result["dense"]["layers"] == mc.n_dense_layers and result["moe"]["layers"] == mc.n_layers - mc.n_dense_layers
+    for kind in result.values():
+        assert kind["forward_ms"] > 0 and kind["backward_ms"] > 0 and 0 < kind["mfu"] < 1
+        assert kind["ms"] == pytest.approx(kind["forward_ms"] + kind["backward_ms"])
