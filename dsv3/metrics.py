@@ -43,7 +43,8 @@ def layer_matmul_params(cfg: ModelConfig, moe: bool) -> int:
     attn = attention_params(cfg) - cfg.q_lora_rank - cfg.kv_lora_rank  # less the q/kv latent norms' scales
     if not moe:
         return attn + 3 * d * cfg.inter_dim
-    return attn + 3 * d * cfg.moe_inter_dim * (cfg.n_shared_experts + cfg.n_activated_experts) + d * cfg.n_routed_experts
+    experts = cfg.n_shared_experts + cfg.n_activated_experts
+    return attn + 3 * d * cfg.moe_inter_dim * experts + d * cfg.n_routed_experts
 
 
 def layer_flops_per_token(cfg: ModelConfig, seq_len: int, moe: bool) -> float:

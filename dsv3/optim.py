@@ -231,7 +231,7 @@ class AdamW(torch.optim.Optimizer):
                     values = [group["lr"], 1 - beta1 ** t, (1 - beta2 ** t) ** 0.5]
                     scale = (torch.ones((), device=param.device) if grad_scale is None
                              else grad_scale.to(param.device))
-                    seed = to_device(torch.tensor(int(t) * 0x2545F491 % 2**31), param.device)  # a new rounding each step
+                    seed = to_device(torch.tensor(int(t) * 0x2545F491 % 2**31), param.device)  # new rounding each step
                     values = to_device(torch.tensor(values, dtype=torch.float64), param.device)
                     scalars[key] = (*values.unbind(), scale, seed)
                 lr, bias_correction1, bias_correction2_sqrt, scale, seed = scalars[key]
