@@ -14,6 +14,8 @@ from conftest import free_port, torchrun_env
 
 
 def test_the_first_signal_is_kept_and_later_ones_change_nothing():
+    # Python's own Ctrl-C handler, as in a terminal (a shell's background job starts with SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     stop = StopSignal()
     assert stop.agreed() is None
     os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: no KeyboardInterrupt while the stop is armed
