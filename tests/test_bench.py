@@ -1,10 +1,14 @@
 """scripts/bench.py's per-layer timing on the CPU: every block timed once per forward and backward, in the
-order autograd runs them, and the model left as it was."""
+order autograd runs them, the model left as it was; and the same under FSDP2 + EP on two gloo ranks."""
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import train
+from conftest import free_port, torchrun_env
+from dsv3 import parallel
 from dsv3.config import load_config
 from scripts.bench import layer_times, timed_blocks
 
@@ -50,3 +54,30 @@ def test_layer_times_split_dense_and_moe_layers(debug_run):
     for kind in result.values():
         assert kind["forward_ms"] > 0 and kind["backward_ms"] > 0 and 0 < kind["mfu"] < 1
         assert kind["ms"] == pytest.approx(kind["forward_ms"] + kind["backward_ms"])
+
+
+def _sharded_worker(rank: int, world: int, port: int, out) -> None:
+    torchrun_env(rank, world, port)
+    rank, world, device = parallel.init_distributed("cpu")
+    cfg = load_config("configs/debug.toml", ["--train.global_batch=4", "--train.micro_batch=2", "--train.seq_len=32",
+                                             "--model.n_layers=3", "--parallel.ep=2"])
+    model = train.build_model(cfg, world, device)  # FSDP2 + EP 2 over gloo
+    optimizer = train.build_optimizer(model, cfg.train, device)
+    batch = torch.randint(0, cfg.model_config().vocab_size, (2, 33), generator=torch.Generator().manual_seed(rank))
+    bias_before = model.routers()[0].expert_bias.clone()
+
+    def step(i: int) -> None:
+        train.train_step(model, optimizer, batch, cfg.train, i)
+
+    result = layer_times(model, step, 1, device, tokens=64, seq_len=32, peak=None)
+    counts = {kind: (t["layers"], t["forward_ms"] > 0, t["backward_ms"] > 0) for kind, t in result.items()}
+    moved = not torch.equal(model.routers()[0].expert_bias, bias_before)  # the step ran to its end, bias update too
+    torch.save((counts, moved), out / f"rank-{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_layers_are_timed_under_fsdp2_and_expert_parallelism(tmp_path):
+    mp.spawn(_sharded_worker, args=(2, free_port(), tmp_path), nprocs=2)
+    for rank in range(2):
+        counts, moved = torch.load(tmp_path / f"rank-{rank}.pt")
+        assert counts == {"dense": (1, True, True), "moe": (2, True, True)} and moved
