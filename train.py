@@ -104,8 +104,8 @@ def evaluate(model: Transformer, cfg: Config, rank: int, world: int, device: tor
     t = cfg.train
     copies = getattr(model, "compute_copies", None)
     model.eval()  # the main loss only: no MTP modules, no balance loss
-    losses = {}
-    for name, path, _ in cfg.data.mixture():
+    losses, mixture = {}, cfg.data.mixture()
+    for name, path, _ in mixture:
         loader = PackedLoader(path, "val", t.seq_len, rank, world, shuffle=False)
         n_batches = min(t.val_batches, max(1, loader.num_sequences // t.global_batch))  # more would rescore the same
         total = torch.zeros((), device=device)
@@ -115,7 +115,7 @@ def evaluate(model: Transformer, cfg: Config, rank: int, world: int, device: tor
                     total += model(micro[:, :-1], micro[:, 1:]).loss * micro.size(0)
         losses[name] = parallel.all_reduce_sum(total).item() / (n_batches * t.global_batch)
     model.train()
-    result = {"val_loss": sum(share * losses[name] for name, _, share in cfg.data.mixture())}
+    result = {"val_loss": sum(share * losses[name] for name, _, share in mixture)}
     if len(losses) > 1:
         result.update({f"val_loss/{name}": loss for name, loss in losses.items()})
     return result
