@@ -48,9 +48,16 @@ def layer_matmul_params(cfg: ModelConfig, moe: bool) -> int:
 
 
 def layer_flops_per_token(cfg: ModelConfig, seq_len: int, moe: bool) -> float:
-    """Training FLOPs per token of one block (dense or MoE): 6·N_layer + 3·H·(d_n + d_r + d_v)·S, the two terms of
-    `flops_per_token` for one layer: what a block costs in a model of any depth, without embedding, head and loss."""
-    return float(6 * layer_matmul_params(cfg, moe) + 3 * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len)
+    """Training FLOPs per token of one block (dense or MoE), the two terms of `flops_per_token` for one layer: what a
+    block costs in a model of any depth, without embedding, head and loss."""
+    return float(6 * layer_matmul_params(cfg, moe) + attention_flops_per_token(cfg, seq_len))
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """3·H·(d_n + d_r + d_v)·S for one layer: the attention scores q·k (d_n+d_r per head) and the weighted sum of v
+    (d_v), 2·S·d forward per token and head, halved because causal attention computes only half the S×S scores,
+    times 3 for forward + backward."""
+    return 3 * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -58,14 +65,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
         6·N_matmul_active + 3·L·H·(d_n + d_r + d_v)·S,   L = n_layers + n_mtp_layers
 
-    6·N: 2 FLOPs per multiply-add forward, 4 backward. The second term is the attention scores q·k
-    (d_n+d_r per head) and the weighted sum of v (d_v): 2·S·d forward per token and head, halved because
-    causal attention computes only half the S×S scores, times 3 for forward + backward. MTP blocks count
-    (they run attention too; depth k sees S-k positions, counted as S). Anchor: the 16B flavor cut to
-    4 layers (1 dense + 3 MoE, no MTP) at S = 4096 gives 3.49 GFLOP/token (tests/test_metrics.py)."""
+    6·N: 2 FLOPs per multiply-add forward, 4 backward; the second term is `attention_flops_per_token` per layer.
+    MTP blocks count (they run attention too; depth k sees S-k positions, counted as S). Anchor: the 16B flavor cut
+    to 4 layers (1 dense + 3 MoE, no MTP) at S = 4096 gives 3.49 GFLOP/token (tests/test_metrics.py)."""
     n_attention_layers = cfg.n_layers + cfg.n_mtp_layers
-    attention = 3 * n_attention_layers * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len
-    return float(6 * active_matmul_params(cfg) + attention)
+    return float(6 * active_matmul_params(cfg) + n_attention_layers * attention_flops_per_token(cfg, seq_len))
 
 
 def attention_params(mc: ModelConfig) -> int:
