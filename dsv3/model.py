@@ -222,7 +222,7 @@ class Transformer(nn.Module):
         return [b.ffn.gate for b in self.blocks() if not isinstance(b.ffn, MLP)]
 
 
-def linear_cross_entropy(h: torch.Tensor, head: nn.Linear, targets: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+def linear_cross_entropy(h: torch.Tensor, head: nn.Linear, targets: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
     """mean_t CE(h_t·Wᵀ, y_t) for h [B, S, D], targets [B, S]. With gradients on, computed chunk by chunk
     by `_LinearCrossEntropy`, so the [B·S, vocab] logits (3.4 GB in bf16 at 16k tokens × 102k, twice that
     in fp32) never exist in full."""
@@ -246,6 +246,14 @@ def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: flo
 _chunk_loss_and_grad_cuda = torch.compile(_chunk_loss_and_grad, dynamic=False)  # one fused pass over the chunk
 
 
+def _scale_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return t.mul_(scale)
+
+
+# Eager, a 0-d CUDA tensor is a broadcast operand: a strided kernel at a quarter of the memory bandwidth.
+_scale_cuda_ = torch.compile(_scale_, dynamic=True)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """The head GEMM and the cross-entropy fused over token chunks; the backward is computed in the
     forward pass (only the [T, D] and [vocab, D] gradients are kept), as Liger's fused linear CE does."""
@@ -254,22 +262,32 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
         n_tokens = h.size(0)
         loss_and_grad = _chunk_loss_and_grad_cuda if h.is_cuda else _chunk_loss_and_grad
+        # several chunks: their weight gradients summed in fp32; on CUDA in bf16 the GEMM adds its product into
+        # that sum itself (out_dtype, β = 1), where a bf16 product would be written out and added by another kernel
+        fp32_sum = n_tokens > chunk
+        gemm_adds = h.is_cuda and h.dtype != torch.float32
         loss = torch.zeros((), device=h.device)
         grad_h = torch.empty_like(h)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        grad_weight = None
         for start in range(0, n_tokens, chunk):
             h_c, t_c = h[start:start + chunk], targets[start:start + chunk]
             chunk_loss, grad_logits = loss_and_grad(h_c @ weight.t(), t_c, 1.0 / n_tokens, h.dtype)  # [c, vocab]
             loss += chunk_loss
             grad_h[start:start + chunk] = grad_logits @ weight
-            if h.is_cuda and h.dtype != torch.float32:  # the GEMM adds its bf16 product into the fp32 sum itself
+            if not fp32_sum:
+                grad_weight = grad_logits.t() @ h_c
+            elif grad_weight is None:
+                grad_weight = (torch.mm(grad_logits.t(), h_c, out_dtype=torch.float32) if gemm_adds
+                               else (grad_logits.t() @ h_c).float())
+            elif gemm_adds:
                 torch.addmm(grad_weight, grad_logits.t(), h_c, out_dtype=torch.float32, out=grad_weight)
             else:
-                grad_weight += grad_logits.t() @ h_c  # accumulated over chunks in fp32
+                grad_weight += grad_logits.t() @ h_c
         ctx.save_for_backward(grad_h, grad_weight.to(weight.dtype))
         return loss / n_tokens
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        grad_h, grad_weight = ctx.saved_tensors
-        return grad_h * grad_loss, grad_weight * grad_loss, None, None
+        grad_h, grad_weight = ctx.saved_tensors  # scaled in place: a second backward through them is an error
+        scale_ = _scale_cuda_ if grad_h.is_cuda else _scale_
+        return scale_(grad_h, grad_loss), scale_(grad_weight, grad_loss), None, None

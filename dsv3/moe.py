@@ -79,7 +79,7 @@ class LocalDispatcher:
                  tokens_per_expert: torch.Tensor):
         flat_idx = topk_idx.flatten()
         order = flat_idx.argsort(stable=True)  # token copies sorted by expert
-        expert_x = x[order // topk_idx.size(1)]
+        expert_x = gather_token_copies(x, order, topk_idx.size(1))
         rows = None
         if pads_groups(self.align, x.device):
             expert_x, tokens_per_expert, rows = pad_groups(expert_x, flat_idx[order], tokens_per_expert, self.align)
@@ -142,6 +142,34 @@ def _bucketed(size: int, align: int) -> int:
     `bit_length`, would pin the row count and recompile for every new one."""
     quantum = max(align, 1 << max(size.bit_length() - 5, 0))  # powers of two
     return -(-size // quantum) * quantum
+
+
+def gather_token_copies(x: torch.Tensor, order: torch.Tensor, topk: int) -> torch.Tensor:
+    """x [T, D] → its token copies [N, D] in `order` (the flat (token, k) slot of each row), as x[order // topk].
+    Backward, each token's gradient is the sum of its copies' rows, gathered (`_GatheredRows`)."""
+    return _GatheredRows.apply(x, order, topk)
+
+
+class _GatheredRows(torch.autograd.Function):
+    """x[order // K] with every token's K slots filled (the local dispatcher's). Autograd's backward of an index
+    scatters the [N, D] gradient back with atomic adds into a zero buffer, in bf16; here each token gathers its K
+    rows instead (`row_of_slot`, the inverse of `order`) and sums them in fp32: one kernel, no atomics, no zero
+    fill, deterministic."""
+
+    @staticmethod
+    def forward(ctx, x, order, topk):
+        ctx.save_for_backward(order)
+        ctx.topk = topk
+        return x[order // topk]
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        (order,) = ctx.saved_tensors
+        row_of_slot = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        row_of_slot = row_of_slot.view(-1, ctx.topk)  # [T, K]
+        # K gathers summed elementwise: one pointwise kernel (a sum over a [T, K, D] gather runs slower at wide D)
+        grad_x = sum(grad_rows[row_of_slot[:, k]].float() for k in range(ctx.topk))
+        return grad_x.to(grad_rows.dtype), None, None
 
 
 def combine_token_copies(rows: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -70,18 +70,18 @@ def round_to_bf16_stochastically(x: torch.Tensor, noise: torch.Tensor) -> torch.
 
 
 def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 lr: torch.Tensor, weight_decay: float, beta1: float, beta2: float, eps: float,
-                 bias_correction1: torch.Tensor, bias_correction2_sqrt: torch.Tensor,
-                 grad_scale: torch.Tensor, seed: torch.Tensor, salt: torch.Tensor,
+                 step_size: torch.Tensor, decay: torch.Tensor, beta1: float, beta2: float, eps: float,
+                 bias_correction2_sqrt: torch.Tensor, grad_scale: torch.Tensor, seed: torch.Tensor, salt: torch.Tensor,
                  compute_copy: torch.Tensor | None = None) -> None:
-    """One AdamW step of one tensor, in place; fp32 math whatever the moments' dtype. `seed` varies the
+    """One AdamW step of one tensor, in place; fp32 math whatever the moments' dtype. The step's scalars are fp32
+    tensors made on the host (`AdamW.step`): step_size = lr/(1−β1ᵗ), decay = 1 − lr·λ, √(1−β2ᵗ). `seed` varies the
     stochastic rounding from step to step, `salt` (`rounding_salt`) from tensor to tensor and shard to shard;
     `compute_copy`, if given, receives the new θ in its dtype."""
     g = grad.float() * grad_scale
     m = exp_avg.float().lerp(g, 1 - beta1)
     v = torch.addcmul(exp_avg_sq.float() * beta2, g, g, value=1 - beta2)
-    param.mul_(1 - lr * weight_decay)
-    param.sub_(lr / bias_correction1 * m / (v.sqrt() / bias_correction2_sqrt + eps))
+    param.mul_(decay)
+    param.sub_(step_size * m / (v.sqrt() / bias_correction2_sqrt + eps))
     if compute_copy is not None:
         compute_copy.copy_(param)
     if exp_avg.dtype == torch.bfloat16:
@@ -214,9 +214,13 @@ class AdamW(torch.optim.Optimizer):
         """`grad_scale` (a 0-d tensor, e.g. the clipping factor) multiplies every gradient inside the update."""
         if closure is not None:
             raise ValueError("dsv3.optim.AdamW takes no closure")
-        scalars: dict = {}  # (lr, β1, β2, t, device) → (lr, 1 − β1ᵗ, √(1 − β2ᵗ), scale, seed) there, made once
+        # (lr, λ, β1, β2, t, device) → (step_size, decay, √(1 − β2ᵗ), scale, seed) there, made once. Tensors, not
+        # floats: a compiled update would recompile for every lr and t. Computed in doubles and rounded to fp32 once,
+        # as torch.optim.AdamW's Python scalars are: no fp64 arithmetic per element, which slowed the fused update.
+        scalars: dict = {}
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            lr, weight_decay = group["lr"], group["weight_decay"]
             for p, grad, copy in self._updates(group["params"]):
                 state = self.state[p]
                 if not state:
@@ -226,16 +230,16 @@ class AdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 t = state["step"].item()
                 param = _flat_local(p)
-                key = (group["lr"], beta1, beta2, t, param.device)
-                if key not in scalars:  # tensors, not floats: a compiled update would recompile for every lr and t
-                    values = [group["lr"], 1 - beta1 ** t, (1 - beta2 ** t) ** 0.5]
+                key = (lr, weight_decay, beta1, beta2, t, param.device)
+                if key not in scalars:
+                    values = [lr / (1 - beta1 ** t), 1 - lr * weight_decay, (1 - beta2 ** t) ** 0.5]
                     scale = (torch.ones((), device=param.device) if grad_scale is None
                              else grad_scale.to(param.device))
                     seed = to_device(torch.tensor(int(t) * 0x2545F491 % 2**31), param.device)  # new rounding each step
-                    values = to_device(torch.tensor(values, dtype=torch.float64), param.device)
+                    values = to_device(torch.tensor(values, dtype=torch.float32), param.device)
                     scalars[key] = (*values.unbind(), scale, seed)
-                lr, bias_correction1, bias_correction2_sqrt, scale, seed = scalars[key]
+                step_size, decay, bias_correction2_sqrt, scale, seed = scalars[key]
                 update = _adamw_update_cuda if param.is_cuda else adamw_update
                 update(param, _flat_local(grad), _flat_local(state["exp_avg"]), _flat_local(state["exp_avg_sq"]),
-                       lr, group["weight_decay"], beta1, beta2, group["eps"], bias_correction1,
-                       bias_correction2_sqrt, scale, seed, self.salts[p], None if copy is None else copy.view(-1))
+                       step_size, decay, beta1, beta2, group["eps"], bias_correction2_sqrt, scale, seed, self.salts[p],
+                       None if copy is None else copy.view(-1))

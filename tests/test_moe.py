@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dsv3.config import ModelConfig
 from dsv3.model import Block, rope_frequencies
-from dsv3.moe import (GroupedExperts, MoE, Router, combine_token_copies, sequence_balance_loss,
+from dsv3.moe import (GroupedExperts, MoE, Router, combine_token_copies, gather_token_copies, sequence_balance_loss,
                       update_expert_bias)
 
 
@@ -238,6 +238,21 @@ def test_combine_token_copies_matches_the_dense_slot_sum_forward_and_backward():
     for a, b in zip(got, (want.detach(), rows.grad, weights.grad)):
         torch.testing.assert_close(a, b)
     assert y[4].abs().max() == 0 and (got[2][row_of_slot < 0] == 0).all()
+
+
+def test_gather_token_copies_is_indexing_forward_and_backward():
+    """The dispatcher's x[order // K], whose backward gathers each token's K rows, against autograd's own index."""
+    T, K, D = 7, 3, 5
+    order = torch.randint(0, 4, (T * K,)).argsort(stable=True)  # slots sorted by a random expert choice
+    x = torch.randn(T, D, dtype=torch.float64, requires_grad=True)
+    probe = torch.randn(T * K, D, dtype=torch.float64)
+    (gather_token_copies(x, order, K) * probe).sum().backward()
+    got = x.grad.clone()
+    x.grad = None
+    rows = x[order // K]
+    (rows * probe).sum().backward()
+    torch.testing.assert_close(gather_token_copies(x, order, K), rows.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(got, x.grad)
 
 
 @pytest.mark.parametrize("n_shared_experts", [0, 2])
