@@ -251,7 +251,7 @@ def _scale_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 # Eager, a 0-d CUDA tensor is a broadcast operand: a strided kernel at a quarter of the memory bandwidth.
-_scale_cuda_ = torch.compile(_scale_, dynamic=True)
+_scale_cuda_ = torch.compile(_scale_, dynamic=False)  # static: aligned, vectorised loads
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

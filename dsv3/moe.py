@@ -202,10 +202,12 @@ class _WeightedRowSum(torch.autograd.Function):
     def backward(ctx, grad_y):
         rows, slot_weights, row_of_slot, slot_of_row = ctx.saved_tensors
         K = row_of_slot.size(1)
-        grad_rows = grad_y[slot_of_row // K] * slot_weights.flatten()[slot_of_row].unsqueeze(-1)  # [N, D]
-        grad_weights = (grad_y.unsqueeze(1) * rows[row_of_slot.clamp(min=0)]).sum(dim=-1)  # [T, K]
-        grad_weights = torch.where(row_of_slot >= 0, grad_weights, 0.0).to(ctx.weights_dtype)
-        return grad_rows, grad_weights, None, None
+        grad_y_of_row = grad_y[slot_of_row // K]  # [N, D]
+        grad_rows = grad_y_of_row * slot_weights.flatten()[slot_of_row].unsqueeze(-1)
+        # ∂g_t,k = ⟨∂y_t, row⟩, reduced row by row in the rows' order, beside grad_rows (one kernel reads both)
+        grad_weight_of_row = (grad_y_of_row.float() * rows.float()).sum(dim=-1)  # [N]
+        grad_weights = torch.where(row_of_slot >= 0, grad_weight_of_row[row_of_slot.clamp(min=0)], 0.0)  # [T, K]
+        return grad_rows, grad_weights.to(ctx.weights_dtype), None, None
 
 
 class GroupedExperts(nn.Module):
