@@ -21,6 +21,7 @@ from functools import cached_property
 
 from dsv3.config import Config, ModelConfig, UserError
 from dsv3.metrics import attention_params, block_params, dense_and_expert_params, root_params
+from dsv3.model import LOSS_CHUNK
 
 GIB = 2**30
 
@@ -83,7 +84,6 @@ FSDP_CAST_HBM_EFFICIENCY = 0.43
 # routed tokens per rank vary around the balanced T·K: receive buffers and expert activations get headroom
 EP_HEADROOM = 1.25
 FIT_FRACTION = 0.95  # the plan must stay under this share of the GPU's memory
-LOSS_CHUNK = 4096  # dsv3.model.linear_cross_entropy's chunk
 
 
 def _saved_per_token(mc: ModelConfig, moe: bool, ep: int) -> dict[str, float]:
@@ -279,14 +279,15 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
                 add(line, f"{tl.name(b)}: recomputed in backward", recomputed, last, last)
 
     # The chunked loss (dsv3.model.linear_cross_entropy): in its forward one chunk's bf16 logits and their gradient
-    # and the head gradient accumulating in fp32; kept for backward its [T, D] input gradient and bf16 head gradient,
-    # until autograd reaches it (the MTP losses first, then the main one).
+    # and, over several chunks, the head gradient accumulating in fp32; kept for backward its [T, D] input gradient
+    # and bf16 head gradient, until autograd reaches it (the MTP losses first, then the main one).
+    chunk, fp32_sum = min(T, LOSS_CHUNK), T > LOSS_CHUNK
     for k in kinds:
         for depth in range(mc.n_mtp_layers + 1):
             line = "mtp" if depth else "loss (chunked)"
             reached = tl.backward[k][tl.n_layers - 1 + depth]
             add(line, f"loss {depth}: chunk logits and fp32 head gradient",
-                2 * 2 * LOSS_CHUNK * V + 4 * V * d, tl.loss[k][depth], tl.loss[k][depth])
+                2 * 2 * chunk * V + 4 * V * d * fp32_sum, tl.loss[k][depth], tl.loss[k][depth])
             add(line, f"loss {depth}: input and head gradients for backward", 2 * T * d + 2 * V * d,
                 tl.loss[k][depth], reached)
     return table
