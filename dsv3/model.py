@@ -287,6 +287,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.addmm(grad_weight, grad_logits.t(), h_c, out_dtype=torch.float32, out=grad_weight)
             else:
                 grad_weight += grad_logits.t() @ h_c
+            del grad_logits  # before the next chunk's logits: two [chunk, vocab] buffers at a time, not three
         ctx.save_for_backward(grad_h, grad_weight.to(weight.dtype))
         return loss / n_tokens
 
