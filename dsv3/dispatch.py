@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from dsv3.config import UserError
-from dsv3.moe import combine_token_copies, pad_groups, pads_groups
+from dsv3.moe import combine_token_copies, gather_token_copies, pad_groups, pads_groups
 
 
 class _AllToAll(torch.autograd.Function):
@@ -237,7 +237,7 @@ class DeepEPDispatcher:
         recv_x, recv_weights, recv_idx, handle, n_rows = self._exchange(x, topk_idx, topk_weights)
         # compiled with the block: only the exchange itself runs eagerly
         order, expert_of_row, tokens_per_local_expert = expert_rows(recv_idx, self.n_local, n_rows)
-        expert_x = recv_x[order // recv_idx.size(1)]
+        expert_x = gather_token_copies(recv_x, order, recv_idx.size(1))
         rows = None
         # N varies by step: few buffer sizes (bucket); none received: zero rows for every expert
         if pads_groups(self.align, x.device) or not n_rows:

@@ -146,29 +146,35 @@ def _bucketed(size: int, align: int) -> int:
 
 def gather_token_copies(x: torch.Tensor, order: torch.Tensor, topk: int) -> torch.Tensor:
     """x [T, D] → its token copies [N, D] in `order` (the flat (token, k) slot of each row), as x[order // topk].
-    Backward, each token's gradient is the sum of its copies' rows, gathered (`_GatheredRows`)."""
+    Slots that `order` leaves out (under DeepEP: experts on other ranks) get no row. Backward, each token's gradient
+    is the sum of its copies' rows, gathered (`_GatheredRows`)."""
     return _GatheredRows.apply(x, order, topk)
 
 
+def _row_of_slot(order: torch.Tensor, n_slots: int) -> torch.Tensor:
+    """The inverse of `order`: for each flat (token, k) slot, the row that holds it, −1 where none does."""
+    row_of_slot = torch.full((n_slots,), -1, dtype=order.dtype, device=order.device)
+    return row_of_slot.scatter(0, order, torch.arange(order.numel(), device=order.device))
+
+
 class _GatheredRows(torch.autograd.Function):
-    """x[order // K] with every token's K slots filled (the local dispatcher's). Autograd's backward of an index
-    scatters the [N, D] gradient back with atomic adds into a zero buffer, in bf16; here each token gathers its K
-    rows instead (`row_of_slot`, the inverse of `order`) and sums them in fp32: one kernel, no atomics, no zero
-    fill, deterministic."""
+    """x[order // K]. Autograd's backward of an index scatters the [N, D] gradient back with atomic adds into a zero
+    buffer, in bf16; here each token gathers its K rows instead (`_row_of_slot`) and sums them in fp32: one kernel,
+    no atomics, no zero fill, deterministic."""
 
     @staticmethod
     def forward(ctx, x, order, topk):
         ctx.save_for_backward(order)
-        ctx.topk = topk
+        ctx.topk, ctx.n_tokens = topk, x.size(0)
         return x[order // topk]
 
     @staticmethod
     def backward(ctx, grad_rows):
         (order,) = ctx.saved_tensors
-        row_of_slot = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        row_of_slot = row_of_slot.view(-1, ctx.topk)  # [T, K]
+        row_of_slot = _row_of_slot(order, ctx.n_tokens * ctx.topk).view(-1, ctx.topk)  # [T, K]
         # K gathers summed elementwise: one pointwise kernel (a sum over a [T, K, D] gather runs slower at wide D)
-        grad_x = sum(grad_rows[row_of_slot[:, k]].float() for k in range(ctx.topk))
+        grad_x = sum(torch.where(row_of_slot[:, k, None] >= 0, grad_rows[row_of_slot[:, k].clamp(min=0)].float(), 0.0)
+                     for k in range(ctx.topk))
         return grad_x.to(grad_rows.dtype), None, None
 
 
@@ -177,8 +183,7 @@ def combine_token_copies(rows: torch.Tensor, order: torch.Tensor, topk_weights: 
 
     rows [N, D]; order [N]: the flat (token, k) slot of each row; topk_weights [T, K]. Slots that hold no row
     (under DeepEP: experts on other ranks, whose weights are junk) count as zero; N ≥ 1 unless T = 0."""
-    row_of_slot = torch.full((topk_weights.numel(),), -1, dtype=order.dtype, device=order.device)
-    row_of_slot = row_of_slot.scatter(0, order, torch.arange(order.numel(), device=order.device))
+    row_of_slot = _row_of_slot(order, topk_weights.numel())
     return _WeightedRowSum.apply(rows, topk_weights, row_of_slot.view(topk_weights.shape), order)
 
 

@@ -240,12 +240,16 @@ def test_combine_token_copies_matches_the_dense_slot_sum_forward_and_backward():
     assert y[4].abs().max() == 0 and (got[2][row_of_slot < 0] == 0).all()
 
 
-def test_gather_token_copies_is_indexing_forward_and_backward():
-    """The dispatcher's x[order // K], whose backward gathers each token's K rows, against autograd's own index."""
+@pytest.mark.parametrize("every_slot", [True, False])
+def test_gather_token_copies_is_indexing_forward_and_backward(every_slot):
+    """The dispatchers' x[order // K], whose backward gathers each token's K rows, against autograd's own index;
+    with every slot filled (the local dispatcher) or some left out (DeepEP's experts on other ranks)."""
     T, K, D = 7, 3, 5
     order = torch.randint(0, 4, (T * K,)).argsort(stable=True)  # slots sorted by a random expert choice
+    if not every_slot:
+        order = order[:-5]
     x = torch.randn(T, D, dtype=torch.float64, requires_grad=True)
-    probe = torch.randn(T * K, D, dtype=torch.float64)
+    probe = torch.randn(order.numel(), D, dtype=torch.float64)
     (gather_token_copies(x, order, K) * probe).sum().backward()
     got = x.grad.clone()
     x.grad = None
