@@ -247,7 +247,10 @@ def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: flo
     return loss, (grad * scale).to(dtype)
 
 
-_chunk_loss_and_grad_cuda = torch.compile(_chunk_loss_and_grad, dynamic=False)  # one fused pass over the chunk
+# One fused pass over the chunk, its block sizes tuned by benchmarking at the first compile (a reduction over the whole
+# vocabulary per row, which inductor's heuristics tile for less than the bandwidth).
+_chunk_loss_and_grad_cuda = torch.compile(_chunk_loss_and_grad, dynamic=False,
+                                          options={"coordinate_descent_tuning": True})
 
 
 def _scale_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
