@@ -67,6 +67,11 @@ def _clock(device: torch.device) -> torch.cuda.Event | float:
     return event
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _ms(start: torch.cuda.Event | float, end: torch.cuda.Event | float) -> float:
     return start.elapsed_time(end) if isinstance(start, torch.cuda.Event) else 1e3 * (end - start)
 
@@ -125,8 +130,7 @@ def layer_times(model: Transformer, step, steps: int, device: torch.device, toke
     with timed_blocks(model, device) as timed:
         for i in range(steps):
             step(i + 1)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        _synchronize(device)
     per_kind: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for wrapper in timed[:len(model.layers)]:
         forward, backward = wrapper.milliseconds()
@@ -172,19 +176,15 @@ def main() -> None:
         losses.append(values[0])
         loads.append(tokens_per_expert)
 
-    def synchronize() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
     for i in range(args.warmup):
         step(i + 1)
-    synchronize()
+    _synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for i in range(args.steps):
         step(args.warmup + i + 1)
-    synchronize()
+    _synchronize(device)
     step_s = (time.perf_counter() - start) / args.steps
     tokens_per_s_per_gpu = local_batch * t.seq_len / step_s
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
@@ -214,7 +214,7 @@ def main() -> None:
         with torch.profiler.profile(activities=activities) as prof:
             for i in range(args.profile_steps):
                 step(i + 1)
-            synchronize()
+            _synchronize(device)
         ms: dict[str, float] = defaultdict(float)  # kernel name → ms per step
         for event in prof.events():  # kernels only: with CPU activity on, user annotations show on the GPU too
             if event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
