@@ -222,14 +222,14 @@ class Transformer(nn.Module):
         return [b.ffn.gate for b in self.blocks() if not isinstance(b.ffn, MLP)]
 
 
-LOSS_CHUNK = 16384  # tokens per chunk of `linear_cross_entropy`: one chunk for a local batch of 4 × 4096
+LOSS_CHUNK = 8192  # tokens per chunk of `linear_cross_entropy`: one chunk for a local batch of 2 × 4096
 
 
 def linear_cross_entropy(h: torch.Tensor, head: nn.Linear, targets: torch.Tensor,
                          chunk: int = LOSS_CHUNK) -> torch.Tensor:
     """mean_t CE(h_t·Wᵀ, y_t) for h [B, S, D], targets [B, S]. With gradients on, computed chunk by chunk
-    by `_LinearCrossEntropy`: one chunk's logits exist at a time (3.4 GB in bf16 at 16k tokens × 102k), and
-    their gradient overwrites them."""
+    by `_LinearCrossEntropy`, so the [B·S, vocab] logits (3.4 GB in bf16 at 16k tokens × 102k, twice that
+    in fp32) never exist in full."""
     h, targets = h.flatten(0, 1), targets.flatten(0, 1)
     if not (torch.is_grad_enabled() and (h.requires_grad or head.weight.requires_grad)):
         return sum(F.cross_entropy(head(h_c).float(), t_c, reduction="sum")
@@ -237,20 +237,19 @@ def linear_cross_entropy(h: torch.Tensor, head: nn.Linear, targets: torch.Tensor
     return _LinearCrossEntropy.apply(h, head.weight, targets, chunk)
 
 
-def _chunk_loss_and_grad_(logits: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
-    """Σ_t CE of one chunk (fp32 math); `logits` is overwritten with dCE/dlogits·scale = (softmax − onehot)·scale,
-    so that a chunk takes one [c, vocab] buffer, not two."""
-    x = logits.float()
-    lse = x.logsumexp(dim=-1)  # [c]
-    loss = (lse - x.gather(1, targets[:, None]).squeeze(1)).sum()
-    grad = (x - lse[:, None]).exp() - F.one_hot(targets, x.size(-1)).float()
-    logits.copy_(grad * scale)
-    return loss
+def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: float, dtype: torch.dtype):
+    """Σ_t CE of one chunk (fp32 math), and dCE/dlogits·scale = (softmax − onehot)·scale in `dtype`."""
+    logits = logits.float()
+    lse = logits.logsumexp(dim=-1)  # [c]
+    loss = (lse - logits.gather(1, targets[:, None]).squeeze(1)).sum()
+    grad = (logits - lse[:, None]).exp()
+    grad = grad - F.one_hot(targets, logits.size(-1)).float()
+    return loss, (grad * scale).to(dtype)
 
 
 # One fused pass over the chunk, its block sizes tuned by benchmarking at the first compile (a reduction over the whole
 # vocabulary per row, which inductor's heuristics tile for less than the bandwidth).
-_chunk_loss_and_grad_cuda_ = torch.compile(_chunk_loss_and_grad_, dynamic=False,
+_chunk_loss_and_grad_cuda = torch.compile(_chunk_loss_and_grad, dynamic=False,
                                           options={"coordinate_descent_tuning": True})
 
 
@@ -269,7 +268,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
         n_tokens = h.size(0)
-        loss_and_grad_ = _chunk_loss_and_grad_cuda_ if h.is_cuda else _chunk_loss_and_grad_
+        loss_and_grad = _chunk_loss_and_grad_cuda if h.is_cuda else _chunk_loss_and_grad
         # several chunks: their weight gradients summed in fp32; on CUDA in bf16 the GEMM adds its product into
         # that sum itself (out_dtype, β = 1), where a bf16 product would be written out and added by another kernel
         fp32_sum = n_tokens > chunk
@@ -279,9 +278,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = None
         for start in range(0, n_tokens, chunk):
             h_c, t_c = h[start:start + chunk], targets[start:start + chunk]
-            grad_logits = h_c @ weight.t()  # [c, vocab] logits, then their gradient
-            loss += loss_and_grad_(grad_logits, t_c, 1.0 / n_tokens)
-            torch.mm(grad_logits, weight, out=grad_h[start:start + chunk])
+            chunk_loss, grad_logits = loss_and_grad(h_c @ weight.t(), t_c, 1.0 / n_tokens, h.dtype)  # [c, vocab]
+            loss += chunk_loss
+            grad_h[start:start + chunk] = grad_logits @ weight
             if not fp32_sum:
                 grad_weight = grad_logits.t() @ h_c
             elif grad_weight is None:
@@ -291,7 +290,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.addmm(grad_weight, grad_logits.t(), h_c, out_dtype=torch.float32, out=grad_weight)
             else:
                 grad_weight += grad_logits.t() @ h_c
-            del grad_logits  # before the next chunk's logits: one [chunk, vocab] buffer at a time, not two
+            del grad_logits  # before the next chunk's logits: two [chunk, vocab] buffers at a time, not three
         ctx.save_for_backward(grad_h, grad_weight.to(weight.dtype))
         return loss / n_tokens
 

@@ -278,8 +278,8 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
             if mode != "none":
                 add(line, f"{tl.name(b)}: recomputed in backward", recomputed, last, last)
 
-    # The chunked loss (dsv3.model.linear_cross_entropy): in its forward one chunk's bf16 logits (overwritten by their
-    # gradient) and, over several chunks, the head gradient accumulating in fp32; kept for backward its [T, D] input gradient
+    # The chunked loss (dsv3.model.linear_cross_entropy): in its forward one chunk's bf16 logits and their gradient
+    # and, over several chunks, the head gradient accumulating in fp32; kept for backward its [T, D] input gradient
     # and bf16 head gradient, until autograd reaches it (the MTP losses first, then the main one).
     chunk, fp32_sum = min(T, LOSS_CHUNK), T > LOSS_CHUNK
     for k in kinds:
@@ -287,7 +287,7 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
             line = "mtp" if depth else "loss (chunked)"
             reached = tl.backward[k][tl.n_layers - 1 + depth]
             add(line, f"loss {depth}: chunk logits and fp32 head gradient",
-                2 * chunk * V + 4 * V * d * fp32_sum, tl.loss[k][depth], tl.loss[k][depth])
+                2 * 2 * chunk * V + 4 * V * d * fp32_sum, tl.loss[k][depth], tl.loss[k][depth])
             add(line, f"loss {depth}: input and head gradients for backward", 2 * T * d + 2 * V * d,
                 tl.loss[k][depth], reached)
     return table
