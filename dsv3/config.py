@@ -179,7 +179,7 @@ class TrainConfig:
     mtp_lambda_switch: float = 0.7  # fraction of steps after which λ drops to mtp_lambda_final
     precision: str = "bf16"  # bf16 | fp8 | mxfp8 | mxfp8-emulated
     expert_precision: str = "bf16"  # bf16 | low (the `precision` path for the routed experts)
-    optimizer_state_dtype: str = "fp32"  # fp32 | bf16: AdamW's moments (the paper keeps them in bf16, §3.3)
+    optimizer_state_dtype: str = "bf16"  # bf16 | fp32: AdamW's moments (bf16 as in the paper, §3.3; README "Training")
     fp8_recipe: str = "rowwise"  # rowwise | tensorwise (faster; failed 1,000-step loss parity): see README "Precision"
     precision_skip: list[str] = field(default_factory=list)  # dense linears whose name contains one stay bf16
     fp8_min_features: int = 1536  # fp8 converts a dense linear only if min(in, out) features reach this (≥ 0)
@@ -281,7 +281,7 @@ _CHOICES = {
     ("train", "precision"): ("bf16", "fp8", "mxfp8", "mxfp8-emulated"),
     ("train", "expert_precision"): ("bf16", "low"),
     ("train", "fp8_recipe"): ("rowwise", "tensorwise"),
-    ("train", "optimizer_state_dtype"): ("fp32", "bf16"),
+    ("train", "optimizer_state_dtype"): ("bf16", "fp32"),
     ("train", "activation_checkpoint"): ("none", "full", "selective"),
     ("train", "device"): ("auto", "cpu", "cuda"),
     ("parallel", "ep_backend"): ("all_to_all", "deepep"),
