@@ -282,11 +282,12 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
     # and, over several chunks, the head gradient accumulating in fp32; kept for backward its [T, D] input gradient
     # and bf16 head gradient, until autograd reaches it (the MTP losses first, then the main one).
     chunk, fp32_sum = min(T, LOSS_CHUNK), T > LOSS_CHUNK
+    in_forward = "chunk logits and fp32 head gradient" if fp32_sum else "logits and their gradient"
     for k in kinds:
         for depth in range(mc.n_mtp_layers + 1):
             line = "mtp" if depth else "loss (chunked)"
             reached = tl.backward[k][tl.n_layers - 1 + depth]
-            add(line, f"loss {depth}: chunk logits and fp32 head gradient",
+            add(line, f"loss {depth}: {in_forward}",
                 2 * 2 * chunk * V + 4 * V * d * fp32_sum, tl.loss[k][depth], tl.loss[k][depth])
             add(line, f"loss {depth}: input and head gradients for backward", 2 * T * d + 2 * V * d,
                 tl.loss[k][depth], reached)
