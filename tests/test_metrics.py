@@ -264,7 +264,7 @@ def read_wandb_history(path: str) -> dict[int, dict[str, float]]:
 
 
 def test_offline_wandb_run_records_the_logged_metrics(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path))
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -273,6 +273,9 @@ def test_offline_wandb_run_records_the_logged_metrics(tmp_path, monkeypatch):
     logger.log(5, {"loss": 4.25, "moe/layer0/load_max_over_mean": 1.5})
     logger.log(10, {"loss": 3.75})
     logger.close()
+    # finish() can return before wandb's service process has written the whole file (a run that stops flushes it at
+    # exit); this process lives on, so wait for the service as exit would
+    wandb.teardown()
     (path,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
     history = read_wandb_history(path)
     assert history[5]["loss"] == 4.25 and history[5]["moe/layer0/load_max_over_mean"] == 1.5
