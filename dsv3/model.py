@@ -21,6 +21,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from dsv3.config import ModelConfig
 from dsv3.moe import MLP, MoE
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch's CPU builds come without Triton
+    triton = None
+
 # d_v != d_qk rules out flash; cuDNN is ~10x faster than the "efficient" fallback on H100 (README, "Performance").
 _CUDA_ATTENTION_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -55,11 +61,14 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x [B, S, H, d_r] by cos/sin [S, d_r/2]; fp32 math."""
-    pairs = x.float().unflatten(-1, (-1, 2))  # [B, S, H, d_r/2, 2]
-    x0, x1 = pairs.unbind(-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).type_as(x)
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of x [B, S, H, d_r] by cos/sin [S, d_r/2]; fp32 math:
+    (x0, x1) → (x0·c − x1·s, x0·s + x1·c) = x·(c, c) + (x1, x0)·(−s, s). Written as that sum, inductor compiles it
+    (with MLA's concatenations) to a faster kernel than a stack of the two rotated halves."""
+    cos2 = torch.stack((cos, cos), dim=-1).flatten(-2)[:, None, :]  # [S, 1, d_r], broadcast over heads
+    sin2 = torch.stack((-sin, sin), dim=-1).flatten(-2)[:, None, :]
+    xf = x.float()
+    swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x1, x0, x3, x2, ...)
+    return (xf * cos2 + swapped * sin2).type_as(x)
 
 
 class MLA(nn.Module):
@@ -257,8 +266,24 @@ def _scale_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return t.mul_(scale)
 
 
-# Eager, a 0-d CUDA tensor is a broadcast operand: a strided kernel at a quarter of the memory bandwidth.
-_scale_cuda_ = torch.compile(_scale_, dynamic=False)  # static: aligned, vectorised loads
+if triton is not None:
+    @triton.jit
+    def _scale_unless_one_kernel(t_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+        scale = tl.load(scale_ptr)
+        if scale != 1.0:
+            offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offsets < n
+            t = tl.load(t_ptr + offsets, mask=mask)
+            tl.store(t_ptr + offsets, (t.to(tl.float32) * scale).to(t.dtype), mask=mask)
+
+
+def _scale_unless_one_cuda_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`_scale_` whose blocks return at once when the scale is 1, as the loss's gradient is with one micro-batch
+    (the multiply would read and write the whole head-weight gradient); no host sync to find out."""
+    block = 4096
+    _scale_unless_one_kernel[(triton.cdiv(t.numel(), block),)](t, scale.float(), t.numel(), BLOCK=block)
+    torch.autograd.graph.increment_version(t)  # an in-place write, as `mul_` would record it
+    return t
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -297,5 +322,5 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad_h, grad_weight = ctx.saved_tensors  # scaled in place: a second backward through them is an error
-        scale_ = _scale_cuda_ if grad_h.is_cuda else _scale_
+        scale_ = _scale_unless_one_cuda_ if grad_h.is_cuda else _scale_
         return scale_(grad_h, grad_loss), scale_(grad_weight, grad_loss), None, None
