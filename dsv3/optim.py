@@ -24,8 +24,8 @@ from dsv3.parallel import to_device
 
 
 def _flat_local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard as a 1-D view: updates write through, and every parameter runs the same compiled kernel
-    (each rank of tensor, 1 to 3, would be a recompile of its own)."""
+    """This rank's shard as a 1-D view: updates write through, and parameters of one size share a compiled kernel
+    whatever their shape."""
     return (t.to_local() if isinstance(t, DTensor) else t).view(-1)
 
 
@@ -95,7 +95,7 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 
 # On CUDA: one fused kernel per tensor (read θ, g, m, v once, write θ, m, v once), compiled for its size: a
 # static size gets aligned, vectorised loads that a dynamic one does not (bf16 moments reach the bandwidth fp32
-# ones do). Over 1-D views, a model compiles one kernel per distinct size, a few dozen at most: dynamo's
+# ones do). Over 1-D views, a model compiles one kernel per distinct size (12 to 15 in configs/): dynamo's
 # default limit of 8 per function is raised for this one only, and a size past the raised one runs eagerly.
 _adamw_update_static = torch.compile(adamw_update, dynamic=False)
 _KERNEL_SIZES = 64
