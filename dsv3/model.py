@@ -42,39 +42,6 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
 
 
-class Embedding(nn.Embedding):
-    """nn.Embedding whose backward on CUDA is one Triton kernel after a sort of the tokens (`_EmbeddingLookup`)."""
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if triton is None or not self.weight.is_cuda:
-            return super().forward(tokens)
-        return _EmbeddingLookup.apply(self.weight, tokens)
-
-
-class _EmbeddingLookup(torch.autograd.Function):
-    """weight[tokens]. Backward: the gradient of each token's row is the sum of its positions' gradient rows,
-    taken in position order and in fp32, as torch's does (deterministic), but by one program per run of equal
-    sorted tokens where torch's takes two kernels that cost more than the zero fill of the [vocab, dim] gradient."""
-
-    @staticmethod
-    def forward(ctx, weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(tokens)
-        ctx.vocab_size = weight.size(0)
-        return F.embedding(tokens, weight)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (tokens,) = ctx.saved_tensors
-        dim = grad.size(-1)
-        grad = grad.reshape(-1, dim).contiguous()
-        sorted_tokens, order = tokens.flatten().sort(stable=True)
-        grad_weight = grad.new_zeros(ctx.vocab_size, dim)
-        block = min(1024, triton.next_power_of_2(dim))
-        _token_row_sums_kernel[(grad.size(0), triton.cdiv(dim, block))](
-            grad, order, sorted_tokens, grad_weight, grad.size(0), dim, BLOCK=block)
-        return grad_weight, None
-
-
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     """Rotation angle per (position, pair) [max_seq_len, d_r/2], with YaRN when rope_factor > 1."""
     dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
@@ -200,7 +167,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = Embedding(cfg.vocab_size, cfg.dim)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         # ModuleDict with string keys: stable FQNs for checkpoints, FSDP and per-block compile.
         self.layers = nn.ModuleDict({str(i): Block(i, cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -299,26 +266,9 @@ def _scale_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return t.mul_(scale)
 
 
-if triton is not None:
-    @triton.jit
-    def _token_row_sums_kernel(grad_ptr, order_ptr, sorted_ptr, out_ptr, n, dim, BLOCK: tl.constexpr):
-        """Program (p, j): if sorted position p starts a run of one token, the sum of the run's gradient rows
-        (columns block j) into that token's row of `out`."""
-        p = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < dim
-        token = tl.load(sorted_ptr + p).to(tl.int64)
-        if (p == 0) | (tl.load(sorted_ptr + p - 1, mask=p > 0, other=-1) != token):
-            total = tl.zeros([BLOCK], dtype=tl.float32)
-            q = p
-            next_token = token
-            while next_token == token:
-                row = tl.load(order_ptr + q).to(tl.int64)
-                total += tl.load(grad_ptr + row * dim + cols, mask=mask).to(tl.float32)
-                q += 1
-                next_token = tl.load(sorted_ptr + q, mask=q < n, other=-1)
-            tl.store(out_ptr + token * dim + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the kernel below multiplies in fp32
 
+if triton is not None:
     @triton.jit
     def _scale_unless_one_kernel(t_ptr, scale_ptr, n, BLOCK: tl.constexpr):
         scale = tl.load(scale_ptr)
@@ -374,5 +324,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad_h, grad_weight = ctx.saved_tensors  # scaled in place: a second backward through them is an error
-        scale_ = _scale_unless_one_cuda_ if grad_h.is_cuda else _scale_
+        fast = triton is not None and grad_h.is_cuda and grad_h.dtype in _TRITON_DTYPES
+        scale_ = _scale_unless_one_cuda_ if fast else _scale_
         return scale_(grad_h, grad_loss), scale_(grad_weight, grad_loss), None, None

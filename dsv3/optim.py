@@ -95,15 +95,10 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 
 # On CUDA: one fused kernel per tensor (read θ, g, m, v once, write θ, m, v once), compiled for its size: a
 # static size gets aligned, vectorised loads that a dynamic one does not (bf16 moments reach the bandwidth fp32
-# ones do). Over 1-D views, a model compiles one kernel per distinct size (12 to 15 in configs/): dynamo's
-# default limit of 8 per function is raised for this one only, and a size past the raised one runs eagerly.
-_adamw_update_static = torch.compile(adamw_update, dynamic=False)
-_KERNEL_SIZES = 64
-
-
-def _adamw_update_cuda(*args) -> None:
-    with torch._dynamo.config.patch(recompile_limit=_KERNEL_SIZES):
-        _adamw_update_static(*args)
+# ones do). Over 1-D views, a model compiles one kernel per distinct size (12 to 15 in configs/): `AdamW.step`
+# raises dynamo's limit of 8 compiled variants per function to _COMPILED_VARIANTS; past it, a size runs eagerly.
+_adamw_update_cuda = torch.compile(adamw_update, dynamic=False)
+_COMPILED_VARIANTS = 64
 
 
 class ComputeCopies:
@@ -218,6 +213,7 @@ class AdamW(torch.optim.Optimizer):
             self.compute_copies.zero_grad()
 
     @torch.no_grad()
+    @torch._dynamo.config.patch(recompile_limit=_COMPILED_VARIANTS)
     def step(self, closure=None, grad_scale: torch.Tensor | None = None) -> None:
         """`grad_scale` (a 0-d tensor, e.g. the clipping factor) multiplies every gradient inside the update."""
         if closure is not None:

@@ -355,21 +355,3 @@ def test_chunked_linear_cross_entropy_is_the_full_one(device, chunk, factor):
     torch.testing.assert_close(loss.float(), loss_ref, **tol)
     torch.testing.assert_close(h.grad.float(), h_ref.grad, **tol)
     torch.testing.assert_close(head.weight.grad.float(), weight_ref.grad, **tol)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_embedding_backward_sums_each_tokens_rows_as_torch_does(dtype):
-    # 3 × 700 tokens from a vocabulary of 50 (long runs of one token after the sort), dim 1500 (two column blocks,
-    # the second partial); integer-valued gradients: every summation order gives the same fp32 sums
-    from dsv3.model import Embedding
-
-    generator = torch.Generator().manual_seed(0)
-    embedding = Embedding(50, 1500).cuda().to(dtype)
-    tokens = torch.randint(0, 40, (3, 700), generator=generator).cuda()  # tokens 40..49 unused: zero rows
-    grad = torch.randint(-8, 9, (3, 700, 1500), generator=generator).cuda().to(dtype)
-    embedding(tokens).backward(grad)
-    weight = embedding.weight.detach().clone().requires_grad_()
-    F.embedding(tokens, weight).backward(grad)
-    assert torch.equal(embedding.weight.grad, weight.grad)
-    assert embedding.weight.grad[40:].eq(0).all() and embedding.weight.grad[:40].ne(0).any(dim=1).all()

@@ -20,7 +20,7 @@ from torch import nn
 from dsv3 import moe as moe_module
 from dsv3 import parallel, quant
 from dsv3.config import FLAVORS, load_config
-from dsv3.model import Embedding, RMSNorm, Transformer
+from dsv3.model import RMSNorm, Transformer
 from dsv3.moe import MLP, GroupedExperts, MoE, Router, grouped_mm, pad_groups
 from conftest import free_port
 
@@ -69,7 +69,7 @@ def test_only_trunk_linears_are_converted_and_names_are_unchanged(precision, exp
         assert isinstance(modules[name], converted_class(precision)), name
     for name in MTP_AND_HEAD:  # output head and MTP modules: plain bf16 linears
         assert type(modules[name]) is nn.Linear, name
-    assert type(model.embed) is Embedding
+    assert type(model.embed) is nn.Embedding
     assert all(type(m) is Router for n, m in modules.items() if n.endswith("ffn.gate"))
     assert all(type(m) is RMSNorm for n, m in modules.items() if n.endswith("norm"))
     # the same Parameters under the same names: FSDP, the optimizer and checkpoints see no difference
