@@ -157,6 +157,23 @@ def _row_of_slot(order: torch.Tensor, n_slots: int) -> torch.Tensor:
     return row_of_slot.scatter(0, order, torch.arange(order.numel(), device=order.device))
 
 
+def _sum_rows_of_slots(rows: torch.Tensor, row_of_slot: torch.Tensor,
+                       slot_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ_k rows[row_of_slot[:, k]] (· slot_weights[:, k]) per token [T, D], summed in fp32 and returned in the rows'
+    dtype; slots without a row (−1) add nothing. K gathers summed elementwise: one pointwise kernel under inductor,
+    where a sum over a [T, K, D] gather is a reduction over K that it tiles into blocks of a few dozen outputs.
+    An empty slot reads row 0 and is then deselected, not multiplied by 0: a non-finite row 0 stays its own token's."""
+    valid = row_of_slot >= 0
+    row = row_of_slot.clamp(min=0)
+    total = 0
+    for k in range(row.size(1)):
+        term = rows[row[:, k]].float()
+        if slot_weights is not None:
+            term = term * slot_weights[:, k, None]
+        total = total + torch.where(valid[:, k, None], term, 0.0)
+    return total.to(rows.dtype)
+
+
 class _GatheredRows(torch.autograd.Function):
     """x[order // K]. Autograd's backward of an index scatters the [N, D] gradient back with atomic adds into a zero
     buffer, in bf16; here each token gathers its K rows instead (`_row_of_slot`) and sums them in fp32: one kernel,
@@ -172,10 +189,7 @@ class _GatheredRows(torch.autograd.Function):
     def backward(ctx, grad_rows):
         (order,) = ctx.saved_tensors
         row_of_slot = _row_of_slot(order, ctx.n_tokens * ctx.topk).view(-1, ctx.topk)  # [T, K]
-        # K gathers summed elementwise: one pointwise kernel (a sum over a [T, K, D] gather runs slower at wide D)
-        grad_x = sum(torch.where(row_of_slot[:, k, None] >= 0, grad_rows[row_of_slot[:, k].clamp(min=0)].float(), 0.0)
-                     for k in range(ctx.topk))
-        return grad_x.to(grad_rows.dtype), None, None
+        return _sum_rows_of_slots(grad_rows, row_of_slot), None, None
 
 
 def combine_token_copies(rows: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -199,13 +213,7 @@ class _WeightedRowSum(torch.autograd.Function):
         slot_weights = torch.where(valid, weights, 0.0).to(rows.dtype)  # [T, K]; junk weights of empty slots: 0
         ctx.save_for_backward(rows, slot_weights, row_of_slot, slot_of_row)
         ctx.weights_dtype = weights.dtype
-        # empty slots read row 0: select, not multiply by 0, so that a non-finite row 0 stays its own token's.
-        # K gathers summed elementwise in fp32, as `_GatheredRows`' backward: one pointwise kernel, where a sum over
-        # a [T, K, D] gather is a reduction over K that inductor tiles into blocks of a few dozen outputs.
-        row = row_of_slot.clamp(min=0)
-        y = sum(torch.where(valid[:, k, None], rows[row[:, k]].float() * slot_weights[:, k, None], 0.0)
-                for k in range(row.size(1)))
-        return y.to(rows.dtype)
+        return _sum_rows_of_slots(rows, row_of_slot, slot_weights)
 
     @staticmethod
     def backward(ctx, grad_y):
