@@ -7,8 +7,9 @@ each call in one function named for what it does, and imported only here, only w
   fp8             e4m3, compute capability ≥ 8.9, with the scales of `train.fp8_recipe`:
                     rowwise     (train.py's default) one scale per row of each GEMM operand: held bf16's loss
                                 within 1% over 1,000 steps (README "Precision").
-                    tensorwise  torchao.float8 `Float8Linear`, one scale per tensor: faster to quantize, but
-                                did not hold the loss; under FSDP2 the weights are all-gathered in fp8: call
+                    tensorwise  torchao.float8 `Float8Linear`, one scale per tensor: faster to quantize; held the
+                                loss within 1% with bf16 moments, not with fp32 ones; under FSDP2 the weights are
+                                all-gathered in fp8: call
                                 `precompute_fp8_scales(model)` after every optimizer step.
                   (DeepSeek-V3's own 1×128 / 128×128 blockwise recipe did not pay on Hopper: README, "Precision".)
                   Decided by shape: only linears with min(in_features, out_features) ≥ `train.fp8_min_features`
