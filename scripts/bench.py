@@ -35,6 +35,9 @@ PHASES = [
     ("optimizer", ("adam", "multi_tensor_apply", "lerp")),  # lerp: dsv3.optim's compiled update (bf16 moments)
     ("attention", ("sdpa", "fmha", "flash", "attention", "cudnn")),
     ("loss", ("softmax", "nll_loss", "cross_entropy", "logsumexp", "chunk_loss")),
+    # inductor's kernels that make a scaled GEMM's operands (named after the ops they fuse: the scales, the cast to
+    # e4m3, and whatever made the operand, e.g. SwiGLU), before "grouped" would take them for the GEMM
+    ("fp8 quantize", (("triton_poi", "scaled_"), ("triton_red", "scaled_"), ("triton_per", "scaled_"))),
     ("expert GEMMs", ("grouped", "group_gemm", "ptrarray", "groupproblem")),
     ("dense GEMMs", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")),
     # torchao's Triton scale-and-cast kernels (_triton_fp8_rowwise_*, _triton_fp8_per_group_*, ...), eager casts to

@@ -10,7 +10,7 @@ import train
 from conftest import free_port, torchrun_env
 from dsv3 import parallel
 from dsv3.config import load_config
-from scripts.bench import layer_times, timed_blocks
+from scripts.bench import layer_times, phase_of, timed_blocks
 
 
 @pytest.fixture
@@ -81,3 +81,25 @@ def test_layers_are_timed_under_fsdp2_and_expert_parallelism(tmp_path):
     for rank in range(2):
         counts, moved = torch.load(tmp_path / f"rank-{rank}.pt")
         assert counts == {"dense": (1, True, True), "moe": (2, True, True)} and moved
+
+
+@pytest.mark.parametrize("kernel, phase", [
+    # CUTLASS's grouped GEMMs, bf16 and FP8 (torch._grouped_mm, torch._scaled_grouped_mm), cut short
+    ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversalINS5_17Group"
+     "ProblemShape", "expert GEMMs"),
+    ("_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalINS1_17GroupProblemShapeIN4cute5tupleIJiiiEEEEENS1_10"
+     "collective13CollectiveMmaINS1_39MainloopSm90ArrayTmaGmmaWarpSpecializedILi4E", "expert GEMMs"),
+    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "dense GEMMs"),
+    # inductor's kernels that make the grouped GEMM's FP8 operands (SwiGLU and its backward fused in): not GEMMs
+    ("triton_red_fused__scaled_grouped_mm__to_copy_abs_amax_clamp_exp2_floor_log2_mul_reciprocal_silu_silu_backward_"
+     "split_unsqueeze_15", "fp8 quantize"),
+    ("triton_poi_fused__scaled_grouped_mm__to_copy_clamp_exp2_floor_log2_mul_reciprocal_squeeze_unsqueeze_4",
+     "fp8 quantize"),
+    ("triton_poi_fused__fused_rms_norm__scaled_mm__to_copy_add_clamp_clone_mul_reciprocal_silu_silu_backward_t_view_10",
+     "fp8 quantize"),
+    ("_triton_fp8_per_group_colwise_scales_dual_kernel", "fp8 quantize"),
+    ("triton_red_fused__to_copy_arange_eq_exp_logsumexp_mul_sub_unsqueeze_0", "loss"),
+    ("triton_poi_fused_cat_mul_silu_silu_backward_split_5", "other"),
+])
+def test_kernels_are_split_into_the_phases_they_belong_to(kernel, phase):
+    assert phase_of(kernel) == phase
