@@ -18,7 +18,7 @@ backward a dispatch with the cached handle. The one host sync is DeepEP's own: d
 counts (as the all-to-all backend does for its split sizes). Combine runs asynchronously on DeepEP's stream so
 that the shared experts overlap it; `wait` joins it. One `deep_ep.Buffer` per process serves every MoE layer;
 `close()` frees it (train.py calls it before destroy_process_group; an atexit hook covers other entry points).
-Low-precision experts work too: groups are padded to `align` with `pad_groups`, like the other dispatchers.
+Low-precision experts work too: groups are padded to `align` (`pad_layout`), like the other dispatchers.
 
 Under torch.compile only the DeepEP calls (`_exchange`, `_start_combine`, `wait`) and, for padded groups, the
 choice of buffer size run eagerly (graph breaks); the expand, sort, gather, padding and weighted reduce compile
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from dsv3.config import UserError
-from dsv3.moe import combine_token_copies, gather_token_copies, pad_groups, pads_groups
+from dsv3.moe import combine_token_copies, gather_token_copies, pad_groups, pad_layout, pads_groups
 
 
 class _AllToAll(torch.autograd.Function):
@@ -237,19 +237,18 @@ class DeepEPDispatcher:
         recv_x, recv_weights, recv_idx, handle, n_rows = self._exchange(x, topk_idx, topk_weights)
         # compiled with the block: only the exchange itself runs eagerly
         order, expert_of_row, tokens_per_local_expert = expert_rows(recv_idx, self.n_local, n_rows)
-        expert_x = gather_token_copies(recv_x, order, recv_idx.size(1))
-        rows = None
-        # N varies by step: few buffer sizes (bucket); none received: zero rows for every expert
+        # N varies by step: few buffer sizes (bucket); none received: zero rows for every expert. The order is
+        # padded, not the rows: the copies are gathered once, into the buffer
         if pads_groups(self.align, x.device) or not n_rows:
-            expert_x, tokens_per_local_expert, rows = pad_groups(
-                expert_x, expert_of_row, tokens_per_local_expert, self.align, bucket=True)
-        return expert_x, tokens_per_local_expert, (order, recv_weights, rows, handle)
+            rows, tokens_per_local_expert, size = pad_layout(expert_of_row, tokens_per_local_expert, self.align,
+                                                             bucket=True)
+            order = order.new_full((size,), -1).index_copy(0, rows, order)  # −1: a padding row
+        expert_x = gather_token_copies(recv_x, order, recv_idx.size(1))
+        return expert_x, tokens_per_local_expert, (order, recv_weights, handle)
 
     def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Starts the exchange and returns y before it has arrived: call `wait(y)` before reading y."""
-        order, recv_weights, rows, handle = ctx
-        if rows is not None:
-            expert_y = expert_y[rows]  # the real rows only
+        order, recv_weights, handle = ctx
         # one row per received token, R may be 0 (R > 0 implies N > 0: DeepEP sends a token only to ranks that
         # hold one of its experts); a gather of the N real rows, though other ranks' slots make R·K ≈ 2N at EP 2
         token_y = combine_token_copies(expert_y, order, recv_weights)  # [R, D]

@@ -68,7 +68,7 @@ class LocalDispatcher:
       combine(expert_y [N, D], ctx) -> y [T, D] = Σ_k g_k · expert_y of token t's k-th copy
       wait(y) -> y, readable: combine may return while its exchange is still in flight (DeepEP), so that
           the shared experts overlap it; a no-op for the others
-      align: every group of expert_x starts at a multiple of it (`pad_groups`); 1 = no padding, unless
+      align: every group of expert_x starts at a multiple of it (`pad_layout`); 1 = no padding, unless
           `pads_groups` says the device needs it.
     """
 
@@ -79,16 +79,13 @@ class LocalDispatcher:
                  tokens_per_expert: torch.Tensor):
         flat_idx = topk_idx.flatten()
         order = flat_idx.argsort(stable=True)  # token copies sorted by expert
-        expert_x = gather_token_copies(x, order, topk_idx.size(1))
-        rows = None
-        if pads_groups(self.align, x.device):
-            expert_x, tokens_per_expert, rows = pad_groups(expert_x, flat_idx[order], tokens_per_expert, self.align)
-        return expert_x, tokens_per_expert, (order, topk_weights, rows)
+        if pads_groups(self.align, x.device):  # pad the order, not the rows: the copies are gathered once
+            rows, tokens_per_expert, size = pad_layout(flat_idx[order], tokens_per_expert, self.align)
+            order = order.new_full((size,), -1).index_copy(0, rows, order)  # −1: a padding row
+        return gather_token_copies(x, order, topk_idx.size(1)), tokens_per_expert, (order, topk_weights)
 
     def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
-        order, topk_weights, rows = ctx
-        if rows is not None:
-            expert_y = expert_y[rows]  # the real rows only
+        order, topk_weights = ctx
         return combine_token_copies(expert_y, order, topk_weights)
 
     def wait(self, y: torch.Tensor) -> torch.Tensor:
@@ -96,7 +93,7 @@ class LocalDispatcher:
 
 
 def pads_groups(align: int, device: torch.device) -> bool:
-    """Whether a dispatcher hands the experts `pad_groups`' buffer: for the low-precision grouped GEMMs (align > 1),
+    """Whether a dispatcher hands the experts `pad_layout`'s buffer: for the low-precision grouped GEMMs (align > 1),
     and wherever groups without rows break the bf16 one."""
     return align > 1 or _empty_groups_break_grouped_mm(device)
 
@@ -108,13 +105,13 @@ def _empty_groups_break_grouped_mm(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
 
 
-def pad_groups(x: torch.Tensor, expert_of_row: torch.Tensor, counts: torch.Tensor, align: int,
-               bucket: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Move rows x [N, D], sorted by expert (expert_of_row [N], counts [E]), into a zero buffer in which every
-    expert's group starts at a multiple of `align`, as the low-precision grouped GEMMs need, and holds at least
-    `align` rows: an expert without tokens gets zero rows, whose weight gradient is exactly zero, where a group of
-    no rows gets a non-zero one from the bf16 `_grouped_mm` on B200 (pytorch #172439). torchao pads empty groups
-    to the alignment the same way.
+def pad_layout(expert_of_row: torch.Tensor, counts: torch.Tensor, align: int,
+               bucket: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where N rows sorted by expert (expert_of_row [N], counts [E]) go in a buffer in which every expert's group
+    starts at a multiple of `align`, as the low-precision grouped GEMMs need, and holds at least `align` rows: an
+    expert without tokens gets zero rows, whose weight gradient is exactly zero, where a group of no rows gets a
+    non-zero one from the bf16 `_grouped_mm` on B200 (pytorch #172439). torchao pads empty groups to the alignment
+    the same way.
 
     The buffer has M = round_up(N + E·align, align) rows, the most padding E groups can need, so no count reaches
     the host; an expert-parallel rank that received no tokens (N = 0) still runs its grouped GEMMs on real rows:
@@ -123,16 +120,23 @@ def pad_groups(x: torch.Tensor, expert_of_row: torch.Tensor, counts: torch.Tenso
     dispatchers whose N changes every step: torchao's Triton kernels autotune anew for every row count.
     The slack after the last group goes to the last expert: zero rows give zero outputs, and every row belongs
     to a group, so no GEMM output or gradient row is left unwritten.
-    Returns (x_padded [M, D], padded counts [E] summing to M, rows [N]: the buffer row of each row of x).
+    Returns (rows [N]: the buffer row of each row, padded counts [E] summing to M, M).
     """
     n_experts = counts.numel()
-    size = x.size(0) + n_experts * align
+    size = expert_of_row.numel() + n_experts * align
     size = _bucketed(size, align) if bucket else -(-size // align) * align
     padded = (counts.clamp(min=1) + align - 1) // align * align  # [E], an empty group a block of `align` rows
     starts = padded.cumsum(0) - padded  # [E] group starts in the buffer
     shift = starts - (counts.cumsum(0) - counts)  # [E] how far each group moves down
-    rows = torch.arange(x.size(0), device=x.device) + shift[expert_of_row]  # [N]
-    padded = torch.cat([padded[:-1], size - starts[-1:]])
+    rows = torch.arange(expert_of_row.numel(), device=counts.device) + shift[expert_of_row]  # [N]
+    return rows, torch.cat([padded[:-1], size - starts[-1:]]), size
+
+
+def pad_groups(x: torch.Tensor, expert_of_row: torch.Tensor, counts: torch.Tensor, align: int,
+               bucket: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows x [N, D] sorted by expert moved into `pad_layout`'s zero buffer [M, D].
+    Returns (x_padded [M, D], padded counts [E], rows [N]: the buffer row of each row of x)."""
+    rows, padded, size = pad_layout(expert_of_row, counts, align, bucket)
     return x.new_zeros(size, x.size(1)).index_copy(0, rows, x), padded, rows
 
 
@@ -145,29 +149,37 @@ def _bucketed(size: int, align: int) -> int:
 
 
 def gather_token_copies(x: torch.Tensor, order: torch.Tensor, topk: int) -> torch.Tensor:
-    """x [T, D] → its token copies [N, D] in `order` (the flat (token, k) slot of each row), as x[order // topk].
-    Slots that `order` leaves out (under DeepEP: experts on other ranks) get no row. Backward, each token's gradient
-    is the sum of its copies' rows, gathered (`_GatheredRows`)."""
+    """x [T, D] → its token copies [N, D] in `order` (the flat (token, k) slot of each row, −1: a row of zeros, as
+    `pad_layout`'s padding), as x[order // topk]. Slots that `order` leaves out (under DeepEP: experts on other
+    ranks) get no row. Backward, each token's gradient is the sum of its copies' rows, gathered (`_GatheredRows`)."""
     return _GatheredRows.apply(x, order, topk)
 
 
 def _row_of_slot(order: torch.Tensor, n_slots: int) -> torch.Tensor:
-    """The inverse of `order`: for each flat (token, k) slot, the row that holds it, −1 where none does."""
-    row_of_slot = torch.full((n_slots,), -1, dtype=order.dtype, device=order.device)
-    return row_of_slot.scatter(0, order, torch.arange(order.numel(), device=order.device))
+    """The inverse of `order`: for each flat (token, k) slot, the row that holds it, −1 where none does. Rows of
+    slot −1 (padding) are written to a spare slot past the end, then dropped: scatter takes no mask."""
+    row_of_slot = torch.full((n_slots + 1,), -1, dtype=order.dtype, device=order.device)
+    slot = torch.where(order >= 0, order, n_slots)
+    return row_of_slot.scatter(0, slot, torch.arange(order.numel(), device=order.device))[:n_slots]
+
+
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums of bf16 rows run in: fp32, and fp64 for fp64 rows (the tests' exact references)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _sum_rows_of_slots(rows: torch.Tensor, row_of_slot: torch.Tensor,
                        slot_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Σ_k rows[row_of_slot[:, k]] (· slot_weights[:, k]) per token [T, D], summed in fp32 and returned in the rows'
-    dtype; slots without a row (−1) add nothing. K gathers summed elementwise: one pointwise kernel under inductor,
-    where a sum over a [T, K, D] gather is a reduction over K that it tiles into blocks of a few dozen outputs.
-    An empty slot reads row 0 and is then deselected, not multiplied by 0: a non-finite row 0 stays its own token's."""
+    """Σ_k rows[row_of_slot[:, k]] (· slot_weights[:, k]) per token [T, D], summed in fp32 (fp64 rows: fp64) and
+    returned in the rows' dtype; slots without a row (−1) add nothing. K gathers summed elementwise: one pointwise
+    kernel under inductor, where a sum over a [T, K, D] gather is a reduction over K that it tiles into blocks of a
+    few dozen outputs. An empty slot reads row 0 and is then deselected, not multiplied by 0: a non-finite row 0
+    stays its own token's."""
     valid = row_of_slot >= 0
     row = row_of_slot.clamp(min=0)
     total = 0
     for k in range(row.size(1)):
-        term = rows[row[:, k]].float()
+        term = rows[row[:, k]].to(_at_least_fp32(rows.dtype))
         if slot_weights is not None:
             term = term * slot_weights[:, k, None]
         total = total + torch.where(valid[:, k, None], term, 0.0)
@@ -183,7 +195,9 @@ class _GatheredRows(torch.autograd.Function):
     def forward(ctx, x, order, topk):
         ctx.save_for_backward(order)
         ctx.topk, ctx.n_tokens = topk, x.size(0)
-        return x[order // topk]
+        if not x.size(0):  # an expert-parallel rank that received no tokens: padding rows only
+            return x.new_zeros(order.numel(), x.size(1))
+        return torch.where((order >= 0).unsqueeze(-1), x[order // topk], 0)  # slot −1 reads row −1, deselected
 
     @staticmethod
     def backward(ctx, grad_rows):
@@ -195,8 +209,9 @@ class _GatheredRows(torch.autograd.Function):
 def combine_token_copies(rows: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """Undo the sort by expert and reduce each token's copies: y_t = Σ_k g_t,k · (the row in slot (t, k)).
 
-    rows [N, D]; order [N]: the flat (token, k) slot of each row; topk_weights [T, K]. Slots that hold no row
-    (under DeepEP: experts on other ranks, whose weights are junk) count as zero; N ≥ 1 unless T = 0."""
+    rows [N, D]; order [N]: the flat (token, k) slot of each row, −1 for a padding row (which gets no gradient);
+    topk_weights [T, K]. Slots that hold no row (under DeepEP: experts on other ranks, whose weights are junk)
+    count as zero; N ≥ 1 unless T = 0."""
     row_of_slot = _row_of_slot(order, topk_weights.numel())
     return _WeightedRowSum.apply(rows, topk_weights, row_of_slot.view(topk_weights.shape), order)
 
@@ -219,10 +234,12 @@ class _WeightedRowSum(torch.autograd.Function):
     def backward(ctx, grad_y):
         rows, slot_weights, row_of_slot, slot_of_row = ctx.saved_tensors
         K = row_of_slot.size(1)
-        grad_y_of_row = grad_y[slot_of_row // K]  # [N, D]
-        grad_rows = grad_y_of_row * slot_weights.flatten()[slot_of_row].unsqueeze(-1)
+        grad_y_of_row = grad_y[slot_of_row // K]  # [N, D]; a padding row (slot −1) reads the last slot's
+        grad_rows = torch.where((slot_of_row >= 0).unsqueeze(-1),
+                                grad_y_of_row * slot_weights.flatten()[slot_of_row].unsqueeze(-1), 0)
         # ∂g_t,k = ⟨∂y_t, row⟩, reduced row by row in the rows' order, beside grad_rows (one kernel reads both)
-        grad_weight_of_row = (grad_y_of_row.float() * rows.float()).sum(dim=-1)  # [N]
+        wide = _at_least_fp32(rows.dtype)
+        grad_weight_of_row = (grad_y_of_row.to(wide) * rows.to(wide)).sum(dim=-1)  # [N]
         grad_weights = torch.where(row_of_slot >= 0, grad_weight_of_row[row_of_slot.clamp(min=0)], 0.0)  # [T, K]
         return grad_rows, grad_weights.to(ctx.weights_dtype), None, None
 

@@ -238,6 +238,11 @@ def main() -> None:
             with open(args.kernels, "w") as f:
                 f.writelines(f"{t:.3f}\t{phase_of(key)}\t{key}\n" for key, t in ms.items())
 
+    # routed rows per expert against the mean, extremes over layers and all steps run: uneven groups slow the
+    # grouped GEMMs
+    rows = torch.stack(loads).float()  # [steps, L, E]
+    rows_vs_mean = rows / rows.mean(-1, keepdim=True)
+    result["expert_rows_vs_mean_min_max"] = [rows_vs_mean.min().item(), rows_vs_mean.max().item()]
     if rank == 0:
         if args.json:
             print(json.dumps(result))
@@ -249,6 +254,8 @@ def main() -> None:
             print(f"{tokens_per_s_per_gpu:>14,.0f} {mfu_text:>7} {result['step_ms']:>9.1f} {mem:>10}")
             print(f"  loss: {result['loss_first_last'][0]:.3f} at the first step, {result['loss_first_last'][1]:.3f} "
                   "at the last")
+            low, high = result["expert_rows_vs_mean_min_max"]
+            print(f"  routed rows per expert: {low:.2f}× to {high:.2f}× the mean")
             if "ep_rank_share_min_max" in result:
                 low, high = result["ep_rank_share_min_max"]
                 print(f"  routed tokens per EP rank: {100 * low:.1f}% to {100 * high:.1f}% of each layer's")

@@ -259,6 +259,44 @@ def test_gather_token_copies_is_indexing_forward_and_backward(every_slot):
     torch.testing.assert_close(got, x.grad)
 
 
+def test_padding_rows_gather_zeros_and_get_no_gradient():
+    """A padded order (−1: a padding row, as the dispatchers hand the low-precision experts) gathers zero rows and
+    combines to what the order without them gives, forward and backward; padding rows get exactly zero gradient
+    whatever their values, so the experts' per-group FP8 scales never see junk there."""
+    T, K, D = 6, 2, 4
+    order = torch.randint(0, 3, (T * K,)).argsort(stable=True)
+    padded = torch.full((T * K + 5,), -1)
+    at = torch.tensor([0, 1, 2, 4, 5, 6, 7, 8, 10, 11, 12, 15])  # the buffer row of each real row
+    padded[at] = order
+    x = torch.randn(T, D, dtype=torch.float64, requires_grad=True)
+    weights = torch.rand(T, K, dtype=torch.float64, requires_grad=True)
+    probe = torch.randn(T, D, dtype=torch.float64)
+    results = []
+    for o in (order, padded):
+        rows = gather_token_copies(x, o, K)
+        expert_y = (rows * 3).detach().requires_grad_()  # stands in for the experts: padding rows made non-zero
+        expert_y.data[o < 0] = 7.0
+        y = combine_token_copies(expert_y, o, weights)
+        (y * probe).sum().backward()
+        (rows * expert_y.grad).sum().backward()
+        results.append((rows, y.detach(), x.grad.clone(), weights.grad.clone(), expert_y.grad))
+        x.grad = weights.grad = None
+    (rows, y, dx, dw, dy), (rows_p, y_p, dx_p, dw_p, dy_p) = results
+    assert (rows_p[padded < 0] == 0).all() and (dy_p[padded < 0] == 0).all()
+    torch.testing.assert_close(rows_p[at], rows, rtol=0, atol=0)
+    torch.testing.assert_close(dy_p[at], dy, rtol=0, atol=0)
+    for a, b in ((y_p, y), (dx_p, dx), (dw_p, dw)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_gather_for_a_rank_that_received_no_tokens_gives_padding_rows():
+    x = torch.zeros(0, 4, requires_grad=True)
+    rows = gather_token_copies(x, torch.full((32,), -1), 3)
+    assert rows.shape == (32, 4) and (rows == 0).all()
+    rows.sum().backward()
+    assert x.grad.shape == (0, 4)
+
+
 @pytest.mark.parametrize("n_shared_experts", [0, 2])
 def test_moe_layer_equals_dense_token_by_token_reference(n_shared_experts):
     cfg = moe_config(n_shared_experts=n_shared_experts)
