@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from dsv3.config import UserError
-from dsv3.moe import combine_token_copies, gather_token_copies, pad_groups, pad_layout, pads_groups
+from dsv3.moe import combine_token_copies, gather_token_copies, pad_layout, pads_groups, row_of_slot
 
 
 class _AllToAll(torch.autograd.Function):
@@ -72,7 +72,7 @@ class AllToAllDispatcher:
     route → counts per expert → exchange counts → exchange token copies (uneven splits) → sort by local
     expert → grouped GEMM → the reverse. The split sizes must reach the host for all_to_all_single: that
     `.tolist()` is the one device→host sync per MoE layer. `align` > 1 pads each local expert's group
-    (`pad_groups`), without another sync.
+    (`pad_layout`), without another sync.
     """
 
     def __init__(self, group: dist.ProcessGroup, n_experts: int, align: int = 1):
@@ -95,18 +95,20 @@ class AllToAllDispatcher:
         local_expert = torch.arange(self.n_local, device=x.device).repeat(self.ep)
         expert_of_row = local_expert.repeat_interleave(received.flatten(), output_size=recv_x.size(0))
         local_order = expert_of_row.argsort(stable=True)  # → [local expert][src] order
-        expert_x, tokens_per_local_expert, rows = recv_x[local_order], received.sum(0), None
-        # N varies by step: few buffer sizes (bucket); none received: zero rows for every expert
+        tokens_per_local_expert = received.sum(0)
+        # N varies by step: few buffer sizes (bucket); none received: zero rows for every expert. The order is
+        # padded (−1: a padding row), not the rows: they are gathered once, into the buffer
         if pads_groups(self.align, x.device) or not recv_x.size(0):
-            expert_x, tokens_per_local_expert, rows = pad_groups(
-                expert_x, expert_of_row[local_order], tokens_per_local_expert, self.align, bucket=True)
-        return expert_x, tokens_per_local_expert, (order, topk_weights, local_order, rows, send_splits, recv_splits)
+            rows, tokens_per_local_expert, size = pad_layout(expert_of_row[local_order], tokens_per_local_expert,
+                                                             self.align, bucket=True)
+            local_order = local_order.new_full((size,), -1).index_copy(0, rows, local_order)
+        expert_x = gather_token_copies(recv_x, local_order, 1)
+        return expert_x, tokens_per_local_expert, (order, topk_weights, local_order, send_splits, recv_splits)
 
     def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
-        order, topk_weights, local_order, rows, send_splits, recv_splits = ctx
-        if rows is not None:
-            expert_y = expert_y[rows]  # the real rows only
-        recv_y = torch.empty_like(expert_y).index_copy_(0, local_order, expert_y)
+        order, topk_weights, local_order, send_splits, recv_splits = ctx
+        # back to the order received: each received row gathers its buffer row
+        recv_y = gather_token_copies(expert_y, row_of_slot(local_order, sum(recv_splits)), 1)
         sorted_y = all_to_all(recv_y, send_splits, recv_splits, self.group)
         return combine_token_copies(sorted_y, order, topk_weights)
 

@@ -132,14 +132,6 @@ def pad_layout(expert_of_row: torch.Tensor, counts: torch.Tensor, align: int,
     return rows, torch.cat([padded[:-1], size - starts[-1:]]), size
 
 
-def pad_groups(x: torch.Tensor, expert_of_row: torch.Tensor, counts: torch.Tensor, align: int,
-               bucket: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows x [N, D] sorted by expert moved into `pad_layout`'s zero buffer [M, D].
-    Returns (x_padded [M, D], padded counts [E], rows [N]: the buffer row of each row of x)."""
-    rows, padded, size = pad_layout(expert_of_row, counts, align, bucket)
-    return x.new_zeros(size, x.size(1)).index_copy(0, rows, x), padded, rows
-
-
 @torch.compiler.disable
 def _bucketed(size: int, align: int) -> int:
     """`size` rounded up to one of 16 sizes per octave (and to `align`). Eager: under torch.compile the octave,
@@ -155,12 +147,13 @@ def gather_token_copies(x: torch.Tensor, order: torch.Tensor, topk: int) -> torc
     return _GatheredRows.apply(x, order, topk)
 
 
-def _row_of_slot(order: torch.Tensor, n_slots: int) -> torch.Tensor:
-    """The inverse of `order`: for each flat (token, k) slot, the row that holds it, −1 where none does. Rows of
-    slot −1 (padding) are written to a spare slot past the end, then dropped: scatter takes no mask."""
-    row_of_slot = torch.full((n_slots + 1,), -1, dtype=order.dtype, device=order.device)
+def row_of_slot(order: torch.Tensor, n_slots: int) -> torch.Tensor:
+    """The inverse of `order` (the slot each row holds, e.g. a flat (token, k) one): for each of `n_slots` slots,
+    the row that holds it, −1 where none does. Rows of slot −1 (padding) are written to a spare slot past the end,
+    then dropped: scatter takes no mask."""
+    rows = torch.full((n_slots + 1,), -1, dtype=order.dtype, device=order.device)
     slot = torch.where(order >= 0, order, n_slots)
-    return row_of_slot.scatter(0, slot, torch.arange(order.numel(), device=order.device))[:n_slots]
+    return rows.scatter(0, slot, torch.arange(order.numel(), device=order.device))[:n_slots]
 
 
 def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
@@ -188,7 +181,7 @@ def _sum_rows_of_slots(rows: torch.Tensor, row_of_slot: torch.Tensor,
 
 class _GatheredRows(torch.autograd.Function):
     """x[order // K]. Autograd's backward of an index scatters the [N, D] gradient back with atomic adds into a zero
-    buffer, in bf16; here each token gathers its K rows instead (`_row_of_slot`) and sums them in fp32: one kernel,
+    buffer, in bf16; here each token gathers its K rows instead (`row_of_slot`) and sums them in fp32: one kernel,
     no atomics, no zero fill, deterministic."""
 
     @staticmethod
@@ -202,8 +195,10 @@ class _GatheredRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows):
         (order,) = ctx.saved_tensors
-        row_of_slot = _row_of_slot(order, ctx.n_tokens * ctx.topk).view(-1, ctx.topk)  # [T, K]
-        return _sum_rows_of_slots(grad_rows, row_of_slot), None, None
+        if not grad_rows.size(0):  # no row was gathered (EP: a rank that received no tokens): nothing to sum
+            return grad_rows.new_zeros(ctx.n_tokens, grad_rows.size(1)), None, None
+        rows_of_token = row_of_slot(order, ctx.n_tokens * ctx.topk).view(-1, ctx.topk)  # [T, K]
+        return _sum_rows_of_slots(grad_rows, rows_of_token), None, None
 
 
 def combine_token_copies(rows: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -212,8 +207,8 @@ def combine_token_copies(rows: torch.Tensor, order: torch.Tensor, topk_weights: 
     rows [N, D]; order [N]: the flat (token, k) slot of each row, −1 for a padding row (which gets no gradient);
     topk_weights [T, K]. Slots that hold no row (under DeepEP: experts on other ranks, whose weights are junk)
     count as zero; N ≥ 1 unless T = 0."""
-    row_of_slot = _row_of_slot(order, topk_weights.numel())
-    return _WeightedRowSum.apply(rows, topk_weights, row_of_slot.view(topk_weights.shape), order)
+    rows_of_token = row_of_slot(order, topk_weights.numel()).view(topk_weights.shape)
+    return _WeightedRowSum.apply(rows, topk_weights, rows_of_token, order)
 
 
 class _WeightedRowSum(torch.autograd.Function):

@@ -289,12 +289,16 @@ def test_padding_rows_gather_zeros_and_get_no_gradient():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_gather_for_a_rank_that_received_no_tokens_gives_padding_rows():
+def test_gathers_of_no_tokens_or_into_no_rows():
+    """Expert parallelism: a rank that received no tokens gets padding rows only; its combine gathers no rows back."""
     x = torch.zeros(0, 4, requires_grad=True)
     rows = gather_token_copies(x, torch.full((32,), -1), 3)
     assert rows.shape == (32, 4) and (rows == 0).all()
     rows.sum().backward()
     assert x.grad.shape == (0, 4)
+    expert_y = torch.randn(32, 4, requires_grad=True)
+    gather_token_copies(expert_y, torch.zeros(0, dtype=torch.int64), 1).sum().backward()
+    assert expert_y.grad.shape == (32, 4) and (expert_y.grad == 0).all()
 
 
 @pytest.mark.parametrize("n_shared_experts", [0, 2])
