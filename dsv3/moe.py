@@ -181,8 +181,8 @@ def _sum_rows_of_slots(rows: torch.Tensor, row_of_slot: torch.Tensor,
 
 class _GatheredRows(torch.autograd.Function):
     """x[order // K]. Autograd's backward of an index scatters the [N, D] gradient back with atomic adds into a zero
-    buffer, in bf16; here each token gathers its K rows instead (`row_of_slot`) and sums them in fp32: one kernel,
-    no atomics, no zero fill, deterministic."""
+    buffer, in bf16; here each token gathers its K rows instead (`row_of_slot`) and sums them in fp32 (fp64 rows:
+    fp64): one kernel, no atomics, no zero fill, deterministic."""
 
     @staticmethod
     def forward(ctx, x, order, topk):
@@ -206,7 +206,7 @@ def combine_token_copies(rows: torch.Tensor, order: torch.Tensor, topk_weights: 
 
     rows [N, D]; order [N]: the flat (token, k) slot of each row, −1 for a padding row (which gets no gradient);
     topk_weights [T, K]. Slots that hold no row (under DeepEP: experts on other ranks, whose weights are junk)
-    count as zero; N ≥ 1 unless T = 0."""
+    count as zero. T = 0 (EP: a rank that received no tokens) takes padding rows only, or none."""
     rows_of_token = row_of_slot(order, topk_weights.numel()).view(topk_weights.shape)
     return _WeightedRowSum.apply(rows, topk_weights, rows_of_token, order)
 
@@ -228,6 +228,8 @@ class _WeightedRowSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         rows, slot_weights, row_of_slot, slot_of_row = ctx.saved_tensors
+        if not grad_y.size(0):  # no tokens (EP: a rank that received none): the rows, padding only, get none
+            return torch.zeros_like(rows), grad_y.new_zeros(row_of_slot.shape, dtype=ctx.weights_dtype), None, None
         K = row_of_slot.size(1)
         grad_y_of_row = grad_y[slot_of_row // K]  # [N, D]; a padding row (slot −1) reads the last slot's
         grad_rows = torch.where((slot_of_row >= 0).unsqueeze(-1),

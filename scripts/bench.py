@@ -238,9 +238,9 @@ def main() -> None:
             with open(args.kernels, "w") as f:
                 f.writelines(f"{t:.3f}\t{phase_of(key)}\t{key}\n" for key, t in ms.items())
 
-    # routed rows per expert against the mean, extremes over layers and the steps after warm-up: uneven groups slow
-    # the grouped GEMMs
-    rows = torch.stack(loads[args.warmup:]).float()  # [steps, L, E]
+    # routed rows per expert against the mean, extremes over layers and the timed steps: uneven groups slow the
+    # grouped GEMMs
+    rows = torch.stack(loads[args.warmup:args.warmup + args.steps]).float()  # [steps, L, E]
     rows_vs_mean = rows / rows.mean(-1, keepdim=True)
     result["expert_rows_vs_mean_min_max"] = [rows_vs_mean.min().item(), rows_vs_mean.max().item()]
     if rank == 0:

@@ -182,6 +182,31 @@ def test_dispatcher_matches_local_dispatcher(align):
     assert moe.dispatcher.pending is None  # waited on
 
 
+class _NothingReceived(LoopbackBuffer):
+    """deep_ep.Buffer at a rank whose experts no token chose: it receives no rows, and combine sends none back."""
+
+    def dispatch(self, x, handle=None, topk_idx=None, topk_weights=None, **kwargs):
+        if handle is not None:
+            return x[:0].clone(), None, None, None, None, self.Event()
+        return x[:0].clone(), topk_idx[:0].clone(), topk_weights[:0].clone(), [0] * E, ("handle",), self.Event()
+
+    def combine(self, x, handle, topk_weights=None, async_finish=False, **kwargs):
+        return x.new_zeros(T, x.size(1)), None, self.Event()
+
+
+@pytest.mark.parametrize("align", [1, 16])
+def test_a_rank_that_received_no_tokens_runs_forward_and_backward(align):
+    """R = 0: the experts run on padding rows only; nothing gets a gradient, and nothing fails."""
+    experts = make_experts()
+    dispatcher = DeepEPDispatcher(_NothingReceived(), E, align)
+    x, topk_idx, weights = routing(0)
+    expert_x, counts, ctx = dispatcher.dispatch(x, topk_idx, weights, torch.bincount(topk_idx.flatten(), minlength=E))
+    assert expert_x.size(0) >= E and (expert_x == 0).all() and counts.sum() == expert_x.size(0)
+    y = dispatcher.wait(dispatcher.combine(experts(expert_x, counts), ctx))
+    y.sum().backward()
+    assert (x.grad == 0).all() and (experts.w13.grad == 0).all() and (experts.w2.grad == 0).all()
+
+
 @pytest.mark.parametrize("align", [1, 16])
 def test_compiled_dispatcher_compiles_the_expert_side_and_matches_the_local_dispatcher(align):
     """Under torch.compile (dynamo + AOTAutograd, eager kernels) only DeepEP's calls (and the bucket size) break

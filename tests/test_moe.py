@@ -271,22 +271,26 @@ def test_padding_rows_gather_zeros_and_get_no_gradient():
     x = torch.randn(T, D, dtype=torch.float64, requires_grad=True)
     weights = torch.rand(T, K, dtype=torch.float64, requires_grad=True)
     probe = torch.randn(T, D, dtype=torch.float64)
+    probe[-1, 0] = float("nan")  # the last token's gradient, which a padding row's slot −1 reads before deselecting
     results = []
     for o in (order, padded):
         rows = gather_token_copies(x, o, K)
-        expert_y = (rows * 3).detach().requires_grad_()  # stands in for the experts: padding rows made non-zero
-        expert_y.data[o < 0] = 7.0
+        expert_y = (rows * 3).detach().requires_grad_()  # stands in for the experts: padding rows made non-finite
+        expert_y.data[o < 0] = float("nan")
         y = combine_token_copies(expert_y, o, weights)
         (y * probe).sum().backward()
-        (rows * expert_y.grad).sum().backward()
+        grad_rows = expert_y.grad.clone()
+        grad_rows[o < 0] = float("inf")  # what the experts' backward might leave in padding rows
+        rows.backward(grad_rows)
         results.append((rows, y.detach(), x.grad.clone(), weights.grad.clone(), expert_y.grad))
         x.grad = weights.grad = None
     (rows, y, dx, dw, dy), (rows_p, y_p, dx_p, dw_p, dy_p) = results
     assert (rows_p[padded < 0] == 0).all() and (dy_p[padded < 0] == 0).all()
     torch.testing.assert_close(rows_p[at], rows, rtol=0, atol=0)
-    torch.testing.assert_close(dy_p[at], dy, rtol=0, atol=0)
+    torch.testing.assert_close(dy_p[at], dy, rtol=0, atol=0, equal_nan=True)
     for a, b in ((y_p, y), (dx_p, dx), (dw_p, dw)):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert dx_p[:-1].isfinite().all()  # only the last token's gradient carries its NaN
 
 
 def test_gathers_of_no_tokens_or_into_no_rows():
