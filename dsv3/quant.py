@@ -256,7 +256,9 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
                                                                 round_scales_to_power_of_2=True)
         grad_x = torch._scaled_grouped_mm(g_fp8, wt_fp8, g_scales.reciprocal(), wt_scales.squeeze(1).reciprocal(),
                                           offsets, out_dtype=grad_out.dtype, use_fast_accum=True)
-        # grad_w [E, M, K] = grad_outᵀ · x per group: both along the tokens, within each expert's group
+        # grad_w [E, M, K] = grad_outᵀ · x per group: both along the tokens, within each expert's group. The dual
+        # kernel loops over a group's rows; torchao 0.18's one-tensor kernel takes at most the power of two at or
+        # above the mean group size and mis-scales the larger groups that routing makes
         g_cols, g_col_scales, x_cols, x_col_scales = triton_fp8_per_group_colwise_scales_dual(
             grad_out, x, offsets, torch.float8_e4m3fn, round_scales_to_power_of_2=True)
         grad_w = torch._scaled_grouped_mm(g_cols.t(), x_cols, g_col_scales.t().reciprocal(),
