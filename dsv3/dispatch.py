@@ -18,7 +18,7 @@ backward a dispatch with the cached handle. The one host sync is DeepEP's own: d
 counts (as the all-to-all backend does for its split sizes). Combine runs asynchronously on DeepEP's stream so
 that the shared experts overlap it; `wait` joins it. One `deep_ep.Buffer` per process serves every MoE layer;
 `close()` frees it (train.py calls it before destroy_process_group; an atexit hook covers other entry points).
-Low-precision experts work too: groups are padded to `align` (`pad_layout`), like the other dispatchers.
+Low-precision experts work too: groups are padded to `align` (`pad_order`), like the other dispatchers.
 
 Under torch.compile only the DeepEP calls (`_exchange`, `_start_combine`, `wait`) and, for padded groups, the
 choice of buffer size run eagerly (graph breaks); the expand, sort, gather, padding and weighted reduce compile
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from dsv3.config import UserError
-from dsv3.moe import combine_token_copies, gather_token_copies, pad_layout, pads_groups, row_of_slot
+from dsv3.moe import combine_token_copies, gather_token_copies, pad_order, pads_groups, row_of_slot
 
 
 class _AllToAll(torch.autograd.Function):
@@ -72,7 +72,7 @@ class AllToAllDispatcher:
     route → counts per expert → exchange counts → exchange token copies (uneven splits) → sort by local
     expert → grouped GEMM → the reverse. The split sizes must reach the host for all_to_all_single: that
     `.tolist()` is the one device→host sync per MoE layer. `align` > 1 pads each local expert's group
-    (`pad_layout`), without another sync.
+    (`pad_order`), without another sync.
     """
 
     def __init__(self, group: dist.ProcessGroup, n_experts: int, align: int = 1):
@@ -96,12 +96,10 @@ class AllToAllDispatcher:
         expert_of_row = local_expert.repeat_interleave(received.flatten(), output_size=recv_x.size(0))
         local_order = expert_of_row.argsort(stable=True)  # → [local expert][src] order
         tokens_per_local_expert = received.sum(0)
-        # N varies by step: few buffer sizes (bucket); none received: zero rows for every expert. The order is
-        # padded (−1: a padding row), not the rows: they are gathered once, into the buffer
+        # N varies by step: few buffer sizes (bucket); none received: zero rows for every expert
         if pads_groups(self.align, x.device) or not recv_x.size(0):
-            rows, tokens_per_local_expert, size = pad_layout(expert_of_row[local_order], tokens_per_local_expert,
-                                                             self.align, bucket=True)
-            local_order = local_order.new_full((size,), -1).index_copy(0, rows, local_order)
+            local_order, tokens_per_local_expert = pad_order(local_order, expert_of_row[local_order],
+                                                             tokens_per_local_expert, self.align, bucket=True)
         expert_x = gather_token_copies(recv_x, local_order, 1)
         return expert_x, tokens_per_local_expert, (order, topk_weights, local_order, send_splits, recv_splits)
 
@@ -239,12 +237,10 @@ class DeepEPDispatcher:
         recv_x, recv_weights, recv_idx, handle, n_rows = self._exchange(x, topk_idx, topk_weights)
         # compiled with the block: only the exchange itself runs eagerly
         order, expert_of_row, tokens_per_local_expert = expert_rows(recv_idx, self.n_local, n_rows)
-        # N varies by step: few buffer sizes (bucket); none received: zero rows for every expert. The order is
-        # padded, not the rows: the copies are gathered once, into the buffer
+        # N varies by step: few buffer sizes (bucket); none received: zero rows for every expert
         if pads_groups(self.align, x.device) or not n_rows:
-            rows, tokens_per_local_expert, size = pad_layout(expert_of_row, tokens_per_local_expert, self.align,
-                                                             bucket=True)
-            order = order.new_full((size,), -1).index_copy(0, rows, order)  # −1: a padding row
+            order, tokens_per_local_expert = pad_order(order, expert_of_row, tokens_per_local_expert, self.align,
+                                                       bucket=True)
         expert_x = gather_token_copies(recv_x, order, recv_idx.size(1))
         return expert_x, tokens_per_local_expert, (order, recv_weights, handle)
 

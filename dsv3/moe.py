@@ -68,7 +68,7 @@ class LocalDispatcher:
       combine(expert_y [N, D], ctx) -> y [T, D] = Σ_k g_k · expert_y of token t's k-th copy
       wait(y) -> y, readable: combine may return while its exchange is still in flight (DeepEP), so that
           the shared experts overlap it; a no-op for the others
-      align: every group of expert_x starts at a multiple of it (`pad_layout`); 1 = no padding, unless
+      align: every group of expert_x starts at a multiple of it (`pad_order`); 1 = no padding, unless
           `pads_groups` says the device needs it.
     """
 
@@ -79,9 +79,8 @@ class LocalDispatcher:
                  tokens_per_expert: torch.Tensor):
         flat_idx = topk_idx.flatten()
         order = flat_idx.argsort(stable=True)  # token copies sorted by expert
-        if pads_groups(self.align, x.device):  # pad the order, not the rows: the copies are gathered once
-            rows, tokens_per_expert, size = pad_layout(flat_idx[order], tokens_per_expert, self.align)
-            order = order.new_full((size,), -1).index_copy(0, rows, order)  # −1: a padding row
+        if pads_groups(self.align, x.device):
+            order, tokens_per_expert = pad_order(order, flat_idx[order], tokens_per_expert, self.align)
         return gather_token_copies(x, order, topk_idx.size(1)), tokens_per_expert, (order, topk_weights)
 
     def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
@@ -93,7 +92,7 @@ class LocalDispatcher:
 
 
 def pads_groups(align: int, device: torch.device) -> bool:
-    """Whether a dispatcher hands the experts `pad_layout`'s buffer: for the low-precision grouped GEMMs (align > 1),
+    """Whether a dispatcher hands the experts `pad_order`'s buffer: for the low-precision grouped GEMMs (align > 1),
     and wherever groups without rows break the bf16 one."""
     return align > 1 or _empty_groups_break_grouped_mm(device)
 
@@ -105,13 +104,14 @@ def _empty_groups_break_grouped_mm(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
 
 
-def pad_layout(expert_of_row: torch.Tensor, counts: torch.Tensor, align: int,
-               bucket: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Where N rows sorted by expert (expert_of_row [N], counts [E]) go in a buffer in which every expert's group
-    starts at a multiple of `align`, as the low-precision grouped GEMMs need, and holds at least `align` rows: an
-    expert without tokens gets zero rows, whose weight gradient is exactly zero, where a group of no rows gets a
-    non-zero one from the bf16 `_grouped_mm` on B200 (pytorch #172439). torchao pads empty groups to the alignment
-    the same way.
+def pad_order(order: torch.Tensor, expert_of_row: torch.Tensor, counts: torch.Tensor, align: int,
+              bucket: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`order` [N] (the slot each row holds; rows sorted by expert: expert_of_row [N], counts [E]) laid out in a
+    buffer in which every expert's group starts at a multiple of `align`, as the low-precision grouped GEMMs need,
+    and holds at least `align` rows: an expert without tokens gets zero rows, whose weight gradient is exactly zero,
+    where a group of no rows gets a non-zero one from the bf16 `_grouped_mm` on B200 (pytorch #172439). torchao pads
+    empty groups to the alignment the same way. The dispatchers pad the order, not the rows: `gather_token_copies`
+    then fills the buffer in one gather, padding rows (−1) zero.
 
     The buffer has M = round_up(N + E·align, align) rows, the most padding E groups can need, so no count reaches
     the host; an expert-parallel rank that received no tokens (N = 0) still runs its grouped GEMMs on real rows:
@@ -120,16 +120,16 @@ def pad_layout(expert_of_row: torch.Tensor, counts: torch.Tensor, align: int,
     dispatchers whose N changes every step: torchao's Triton kernels autotune anew for every row count.
     The slack after the last group goes to the last expert: zero rows give zero outputs, and every row belongs
     to a group, so no GEMM output or gradient row is left unwritten.
-    Returns (rows [N]: the buffer row of each row, padded counts [E] summing to M, M).
+    Returns (the padded order [M], −1 at padding rows; padded counts [E] summing to M).
     """
     n_experts = counts.numel()
-    size = expert_of_row.numel() + n_experts * align
+    size = order.numel() + n_experts * align
     size = _bucketed(size, align) if bucket else -(-size // align) * align
     padded = (counts.clamp(min=1) + align - 1) // align * align  # [E], an empty group a block of `align` rows
     starts = padded.cumsum(0) - padded  # [E] group starts in the buffer
     shift = starts - (counts.cumsum(0) - counts)  # [E] how far each group moves down
-    rows = torch.arange(expert_of_row.numel(), device=counts.device) + shift[expert_of_row]  # [N]
-    return rows, torch.cat([padded[:-1], size - starts[-1:]]), size
+    rows = torch.arange(order.numel(), device=order.device) + shift[expert_of_row]  # [N] buffer row of each row
+    return order.new_full((size,), -1).index_copy(0, rows, order), torch.cat([padded[:-1], size - starts[-1:]])
 
 
 @torch.compiler.disable
@@ -142,7 +142,7 @@ def _bucketed(size: int, align: int) -> int:
 
 def gather_token_copies(x: torch.Tensor, order: torch.Tensor, topk: int) -> torch.Tensor:
     """x [T, D] → its token copies [N, D] in `order` (the flat (token, k) slot of each row, −1: a row of zeros, as
-    `pad_layout`'s padding), as x[order // topk]. Slots that `order` leaves out (under DeepEP: experts on other
+    `pad_order`'s padding), as x[order // topk]. Slots that `order` leaves out (under DeepEP: experts on other
     ranks) get no row. Backward, each token's gradient is the sum of its copies' rows, gathered (`_GatheredRows`)."""
     return _GatheredRows.apply(x, order, topk)
 

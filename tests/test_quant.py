@@ -21,7 +21,7 @@ from dsv3 import moe as moe_module
 from dsv3 import parallel, quant
 from dsv3.config import FLAVORS, load_config
 from dsv3.model import RMSNorm, Transformer
-from dsv3.moe import MLP, GroupedExperts, MoE, Router, gather_token_copies, grouped_mm, pad_layout
+from dsv3.moe import MLP, GroupedExperts, MoE, Router, gather_token_copies, grouped_mm, pad_order, row_of_slot
 from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,14 +252,13 @@ def test_rowwise_fp8_scales_each_row_by_a_power_of_two_that_fills_e4m3():
 
 
 def pad_groups(x, expert_of_row, counts, align, bucket=False):
-    """Rows x [N, D] sorted by expert, in `pad_layout`'s buffer as the dispatchers fill it: the padded order
-    gathered, padding rows zero."""
-    rows, padded_counts, size = pad_layout(expert_of_row, counts, align, bucket)
-    order = torch.full((size,), -1).index_copy(0, rows, torch.arange(x.size(0)))
-    return gather_token_copies(x, order, 1), padded_counts, rows
+    """Rows x [N, D] sorted by expert, in `pad_order`'s buffer as the dispatchers fill it (padding rows zero), with
+    the padded counts and the buffer row of each row of x."""
+    order, padded_counts = pad_order(torch.arange(x.size(0)), expert_of_row, counts, align, bucket)
+    return gather_token_copies(x, order, 1), padded_counts, row_of_slot(order, x.size(0))
 
 
-def test_pad_layout():
+def test_pad_order():
     """Every group starts at a multiple of `align` and holds at least `align` rows: an empty expert (1, and the
     last, which also absorbs the slack) gets a block of zero rows, never a group of none."""
     counts = torch.tensor([3, 0, 33, 1, 0])
