@@ -117,7 +117,7 @@ def pad_order(order: torch.Tensor, expert_of_row: torch.Tensor, counts: torch.Te
     the host; an expert-parallel rank that received no tokens (N = 0) still runs its grouped GEMMs on real rows:
     their backward rejects an empty input on CUDA.
     `bucket` rounds M further up to one of 16 sizes per octave (at most 1/16 more rows), for
-    dispatchers whose N changes every step: torchao's Triton kernels autotune anew for every row count.
+    dispatchers whose N changes every step: kernels specialised or autotuned per row count then see few of them.
     The slack after the last group goes to the last expert: zero rows give zero outputs, and every row belongs
     to a group, so no GEMM output or gradient row is left unwritten.
     Returns (the padded order [M], −1 at padding rows; padded counts [E] summing to M).

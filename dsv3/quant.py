@@ -111,7 +111,7 @@ def check_precision(precision: str, expert_precision: str, device: torch.device,
         try:
             import triton  # noqa: F401
         except ImportError as e:
-            raise ImportError("train.expert_precision=low with fp8 runs torchao's Triton kernels: pip install "
+            raise ImportError("train.expert_precision=low with fp8 runs dsv3's Triton kernels: pip install "
                               "triton, or use --train.expert_precision=bf16") from e
     if precision == "mxfp8" and expert_precision == "low":
         from torchao.prototype.moe_training import mxfp8_grouped_mm
@@ -226,44 +226,40 @@ def fp8_rowwise_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tens
 
 
 class _Fp8RowwiseGroupedMM(torch.autograd.Function):
-    """out = x·w per group, its three GEMMs in e4m3 (torch._scaled_grouped_mm, fp32 accumulation) with torchao's
-    Triton kernels for the weights' scales and the weight gradient's per-group scales along the tokens. The token
-    rows' own scales (x and grad_out along the features) are `to_fp8_rowwise`, not torchao's kernel for them: an
-    opaque custom op, far from the memory bandwidth at these shapes (README, "Precision")."""
+    """out = x·w per group, its three GEMMs in e4m3 (torch._scaled_grouped_mm, fp32 accumulation). The token rows'
+    scales along the features are `to_fp8_rowwise`, plain torch ops that inductor fuses into the kernels that make
+    the rows (the gather, SwiGLU, its backward); the weights' scales along each axis and the weight gradient's along
+    each group's tokens are dsv3.fp8_kernels' Triton kernels, which move fewer bytes than torchao 0.18's."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         # x [N, K] row-major; w [E, K, M], each expert's matrix column-major (a transposed view of [E, M, K])
-        from torchao.prototype.moe_training.kernels import triton_fp8_colwise_3d_scale_and_cast
+        from dsv3.fp8_kernels import fp8_weight_rows
 
         x_fp8, x_scales = to_fp8_rowwise(x)
-        w_fp8, w_scales = triton_fp8_colwise_3d_scale_and_cast(w, output_dtype=torch.float8_e4m3fn,
-                                                               round_scales_to_power_of_2=True)  # along K
-        ctx.save_for_backward(x, w, offsets)
-        return torch._scaled_grouped_mm(x_fp8, w_fp8, x_scales.reciprocal(), w_scales.squeeze(1).reciprocal(),
+        w_rows = w.transpose(-2, -1).contiguous()  # [E, M, K]: the memory of w, no copy
+        w_fp8, w_scales, w_col_amax = fp8_weight_rows(w_rows)  # along K; and the amaxes along M, for backward
+        ctx.save_for_backward(x, w_rows, offsets, w_col_amax)
+        return torch._scaled_grouped_mm(x_fp8, w_fp8.transpose(-2, -1), x_scales.reciprocal(), w_scales.reciprocal(),
                                         offsets, out_dtype=x.dtype, use_fast_accum=True)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        from torchao.prototype.moe_training.kernels import (triton_fp8_per_group_colwise_scales_dual,
-                                                            triton_fp8_rowwise_3d_transpose_rhs)
+        from dsv3.fp8_kernels import fp8_group_cols, fp8_weight_cols
 
-        x, w, offsets = ctx.saved_tensors
+        x, w_rows, offsets, w_col_amax = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        # grad_x [N, K] = grad_out [N, M] · wᵀ: grad_out along M, w along M (transposed to column-major)
+        # grad_x [N, K] = grad_out [N, M] · wᵀ: grad_out along M, w along M (stored transposed: column-major)
         g_fp8, g_scales = to_fp8_rowwise(grad_out)
-        wt_fp8, wt_scales = triton_fp8_rowwise_3d_transpose_rhs(w, output_dtype=torch.float8_e4m3fn,
-                                                                round_scales_to_power_of_2=True)
-        grad_x = torch._scaled_grouped_mm(g_fp8, wt_fp8, g_scales.reciprocal(), wt_scales.squeeze(1).reciprocal(),
-                                          offsets, out_dtype=grad_out.dtype, use_fast_accum=True)
-        # grad_w [E, M, K] = grad_outᵀ · x per group: both along the tokens, within each expert's group. The dual
-        # kernel loops over a group's rows; torchao 0.18's one-tensor kernel takes at most the power of two at or
-        # above the mean group size and mis-scales the larger groups that routing makes
-        g_cols, g_col_scales, x_cols, x_col_scales = triton_fp8_per_group_colwise_scales_dual(
-            grad_out, x, offsets, torch.float8_e4m3fn, round_scales_to_power_of_2=True)
-        grad_w = torch._scaled_grouped_mm(g_cols.t(), x_cols, g_col_scales.t().reciprocal(),
-                                          x_col_scales.reciprocal(), offsets, out_dtype=grad_out.dtype,
+        wt_fp8, wt_scales = fp8_weight_cols(w_rows, w_col_amax)  # [E, K, M]
+        grad_x = torch._scaled_grouped_mm(g_fp8, wt_fp8.transpose(-2, -1), g_scales.reciprocal(),
+                                          wt_scales.reciprocal(), offsets, out_dtype=grad_out.dtype,
                                           use_fast_accum=True)
+        # grad_w [E, M, K] = grad_outᵀ · x per group: both along the tokens, within each expert's group
+        g_cols, g_col_scales = fp8_group_cols(grad_out, offsets)
+        x_cols, x_col_scales = fp8_group_cols(x, offsets)
+        grad_w = torch._scaled_grouped_mm(g_cols.t(), x_cols, g_col_scales.reciprocal(), x_col_scales.reciprocal(),
+                                          offsets, out_dtype=grad_out.dtype, use_fast_accum=True)
         return grad_x, grad_w.transpose(-2, -1), None
 
 

@@ -488,7 +488,7 @@ def test_fp8_needs_a_gpu_and_whole_16_token_blocks(monkeypatch):
 def test_fp8_experts_without_triton_name_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    with pytest.raises(ImportError, match="expert_precision=low with fp8 runs torchao's Triton kernels: pip install "
+    with pytest.raises(ImportError, match="expert_precision=low with fp8 runs dsv3's Triton kernels: pip install "
                                           "triton"):
         quant.check_precision("fp8", "low", torch.device("cuda", 0), tokens=4096)
     quant.check_precision("fp8", "bf16", torch.device("cuda", 0), tokens=4096)  # dense fp8 needs no Triton
@@ -587,6 +587,50 @@ def test_fp8_rowwise_grouped_mm_matches_torchaos_compiled_or_not():
     for gemm in (quant.fp8_rowwise_grouped_mm, torch.compile(quant.fp8_rowwise_grouped_mm)):
         for ours, theirs in zip(run(gemm), reference):
             assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(3, 300, 1000), (2, 130, 7168)])  # rows per program and column blocks left over
+def test_fp8_weight_kernels_quantize_each_axis_as_to_fp8_rowwise(shape):
+    """The experts' weights quantized along K (forward) and, from the column amaxes the first kernel records, along
+    M and stored transposed (input gradient): bit for bit what `to_fp8_rowwise` makes of the rows of W and Wᵀ."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability >= 8.9")
+    from dsv3.fp8_kernels import fp8_weight_cols, fp8_weight_rows
+
+    torch.manual_seed(0)
+    n_experts, m, k = shape
+    w = torch.randn(shape, device="cuda") * torch.logspace(-4, 4, m, device="cuda")[:, None]
+    w[1, 7] = 0  # an all-zero row gets a finite scale
+    w = w.bfloat16()
+    for ours, layout in (fp8_weight_rows(w)[:2], w), (fp8_weight_cols(w, fp8_weight_rows(w)[2]), w.transpose(1, 2)):
+        data, scales = ours
+        expected_data, expected_scales = quant.to_fp8_rowwise(layout.reshape(-1, layout.size(-1)))
+        assert data.shape == layout.shape and data.is_contiguous() and scales.shape == layout.shape[:2]
+        assert torch.equal(data.view(torch.uint8).flatten(), expected_data.view(torch.uint8).flatten())
+        assert torch.equal(scales.flatten(), expected_scales)
+
+
+@pytest.mark.gpu
+def test_fp8_group_kernel_quantizes_each_groups_columns_as_to_fp8_rowwise():
+    """The weight gradient's operands: each expert's group of rows scaled per column and stored column-major, bit for
+    bit what `to_fp8_rowwise` makes of the group's transposed rows; an empty group included."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability >= 8.9")
+    from dsv3.fp8_kernels import fp8_group_cols
+
+    torch.manual_seed(0)
+    sizes = [48, 0, 640, 16, 272]  # groups longer and shorter than a block of 128 rows
+    x = (torch.randn(sum(sizes), 200, device="cuda") * torch.logspace(-4, 4, 200, device="cuda")).bfloat16()
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    data, scales = fp8_group_cols(x, offsets)
+    assert data.shape == x.shape and data.stride() == (1, x.size(0)) and scales.shape == (len(sizes) * 200,)
+    assert torch.isfinite(scales).all()
+    for group, rows in enumerate(torch.arange(x.size(0), device="cuda").split(sizes)):
+        if len(rows):
+            expected_data, expected_scales = quant.to_fp8_rowwise(x[rows].t())
+            assert torch.equal(data[rows].t().contiguous().view(torch.uint8), expected_data.view(torch.uint8))
+            assert torch.equal(scales[group * 200:(group + 1) * 200], expected_scales)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,166 @@
+"""Triton kernels that quantize the routed experts' operands for their FP8 grouped GEMMs
+(`quant.fp8_rowwise_grouped_mm`) where inductor cannot: the weights along each axis, and the weight gradient's
+token rows along the tokens of each expert's group. (The token rows along the features are plain torch ops, fused
+by inductor into the kernels that make them.) Scales are powers of two, 2^⌊log2(448 / amax)⌋, as
+`quant.to_fp8_rowwise`'s and torchao's, and the results are theirs bit for bit.
+
+Weights: the forward GEMM needs each expert's W [M, K] (K contiguous) scaled along K, one scale per row; the input
+gradient's GEMM needs Wᵀ scaled along M, one scale per column, stored transposed. torchao 0.18's kernels read W
+twice per layout (an amax pass, then a cast pass that finds it evicted from L2): 10 bytes moved per weight element
+per step. Here the forward kernel holds whole rows in registers, so it quantizes them in one read, and also records
+each column's amax over the rows it saw; the backward kernel casts Wᵀ with those amaxes: 6 bytes per element.
+
+Token groups: the weight gradient grad_outᵀ · x takes both operands scaled per column within each expert's group
+and stored column-major. One program per group and block of 32 columns makes an amax pass over the group's rows,
+then a cast pass, 256 rows at a time: of the launches tried on an H200 (README, "Precision"), the fastest.
+
+Imported only when FP8 experts run: it needs triton and a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ROWS_PER_PROGRAM = 128  # rows of one expert per program of the forward kernel: its column amaxes are [E, M / 128, K]
+
+
+@triton.jit
+def _pow2_scale(amax):
+    """2^⌊log2(448 / amax)⌋ for fp32 amax (at least 1e-12: an all-zero row gets a finite scale), exactly: the
+    correctly rounded quotient with its mantissa bits cleared (an approximate log2 can be off by one at a power of
+    two)."""
+    quotient = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), tl.maximum(amax, 1e-12))
+    return (quotient.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_weight_rows_kernel(w_ptr, out_ptr, scales_ptr, col_amax_ptr, M, K, programs_per_expert,
+                            ROWS_PER_PROGRAM: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    expert = tl.program_id(0)
+    program = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_K)
+    col_mask = cols < K
+    col_amax = tl.zeros([ROWS, BLOCK_K], tl.float32)  # reduced over its rows once, at the end
+    first = program * ROWS_PER_PROGRAM
+    for start in range(first, tl.minimum(first + ROWS_PER_PROGRAM, M), ROWS):
+        rows = start + tl.arange(0, ROWS)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        offsets = (expert * M + rows).to(tl.int64)[:, None] * K + cols[None, :]
+        w = tl.load(w_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        magnitude = tl.abs(w)
+        col_amax = tl.maximum(col_amax, magnitude)
+        scales = _pow2_scale(tl.max(magnitude, axis=1))
+        w_fp8 = tl.clamp(w * scales[:, None], -448.0, 448.0).to(tl.float8e4nv)
+        tl.store(out_ptr + offsets, w_fp8, mask=mask)
+        tl.store(scales_ptr + expert * M + rows, scales, mask=row_mask)
+    tl.store(col_amax_ptr + (expert * programs_per_expert + program).to(tl.int64) * K + cols,
+             tl.max(col_amax, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _fp8_weight_cols_kernel(w_ptr, col_amax_ptr, out_ptr, scales_ptr, M, K,
+                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    expert = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_mask = rows < M
+    col_mask = cols < K
+    mask = row_mask[:, None] & col_mask[None, :]
+    scales = _pow2_scale(tl.load(col_amax_ptr + expert * K + cols, mask=col_mask, other=1.0))
+    if tl.program_id(1) == 0:
+        tl.store(scales_ptr + expert * K + cols, scales, mask=col_mask)
+    w = tl.load(w_ptr + (expert * M + rows).to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
+    w_fp8 = tl.clamp(w.to(tl.float32) * scales[None, :], -448.0, 448.0).to(tl.float8e4nv)
+    tl.store(out_ptr + (expert * K + cols).to(tl.int64)[None, :] * M + rows[:, None], w_fp8, mask=mask)
+
+
+@torch.library.custom_op("dsv3::fp8_weight_rows", mutates_args=())
+def fp8_weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [E, M, K] contiguous → (e4m3 [E, M, K], scales [E, M], column amaxes [E, K]), w ≈ e4m3 / scale row by row.
+    The column amaxes are `fp8_weight_cols`'s input."""
+    n_experts, m, k = w.shape
+    block_k = triton.next_power_of_2(k)
+    rows = max(1, 8192 // block_k)  # 8K elements per iteration: 32 per thread of 8 warps
+    programs_per_expert = triton.cdiv(m, ROWS_PER_PROGRAM)
+    out = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    scales = torch.empty(n_experts, m, dtype=torch.float32, device=w.device)
+    partial_amax = torch.empty(n_experts, programs_per_expert, k, dtype=torch.float32, device=w.device)
+    _fp8_weight_rows_kernel[(n_experts, programs_per_expert)](w, out, scales, partial_amax, m, k, programs_per_expert,
+                                                   ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, ROWS=rows, BLOCK_K=block_k,
+                                                   num_warps=8)
+    return out, scales, partial_amax.amax(dim=1)
+
+
+@fp8_weight_rows.register_fake
+def _(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n_experts, m, k = w.shape
+    return (torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device),
+            w.new_empty(n_experts, m, dtype=torch.float32), w.new_empty(n_experts, k, dtype=torch.float32))
+
+
+@torch.library.custom_op("dsv3::fp8_weight_cols", mutates_args=())
+def fp8_weight_cols(w: torch.Tensor, col_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, M, K] contiguous and its column amaxes [E, K] → (e4m3 [E, K, M], scales [E, K]): wᵀ stored with M
+    contiguous, wᵀ ≈ e4m3 / scale row by row."""
+    n_experts, m, k = w.shape
+    block_m, block_k = 128, 64
+    out = torch.empty(n_experts, k, m, dtype=torch.float8_e4m3fn, device=w.device)
+    scales = torch.empty(n_experts, k, dtype=torch.float32, device=w.device)
+    _fp8_weight_cols_kernel[(n_experts, triton.cdiv(m, block_m), triton.cdiv(k, block_k))](
+        w, col_amax, out, scales, m, k, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
+    return out, scales
+
+
+@fp8_weight_cols.register_fake
+def _(w: torch.Tensor, col_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n_experts, m, k = w.shape
+    return (torch.empty(n_experts, k, m, dtype=torch.float8_e4m3fn, device=w.device),
+            w.new_empty(n_experts, k, dtype=torch.float32))
+
+
+@triton.jit
+def _fp8_group_cols_kernel(x_ptr, offsets_ptr, out_ptr, scales_ptr, N, F,
+                           BLOCK_ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
+    group = tl.program_id(1)
+    col_mask = cols < F
+    start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
+    end = tl.load(offsets_ptr + group)
+    amax = tl.zeros([BLOCK_ROWS, BLOCK_F], tl.float32)  # reduced over its rows once, at the end
+    for first in range(start, end, BLOCK_ROWS):
+        rows = first + tl.arange(0, BLOCK_ROWS)
+        mask = (rows < end)[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scales = _pow2_scale(tl.max(amax, axis=0))
+    tl.store(scales_ptr + group * F + cols, scales, mask=col_mask)
+    for first in range(start, end, BLOCK_ROWS):
+        rows = first + tl.arange(0, BLOCK_ROWS)
+        mask = (rows < end)[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], mask=mask, other=0.0)
+        x_fp8 = tl.clamp(x.to(tl.float32) * scales[None, :], -448.0, 448.0).to(tl.float8e4nv)
+        tl.store(out_ptr + cols.to(tl.int64)[None, :] * N + rows[:, None], x_fp8, mask=mask)
+
+
+@torch.library.custom_op("dsv3::fp8_group_cols", mutates_args=())
+def fp8_group_cols(x: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, F] row-major, its rows in groups ending at `offsets` [G] → (e4m3 [N, F] column-major, scales [G·F]):
+    each group's column c ≈ e4m3 / scales[g·F + c], the layouts `torch._scaled_grouped_mm` takes for a weight
+    gradient."""
+    n, f = x.shape
+    block_f = 32
+    out = torch.empty_strided((n, f), (1, n), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(offsets.numel() * f, dtype=torch.float32, device=x.device)
+    _fp8_group_cols_kernel[(triton.cdiv(f, block_f), offsets.numel())](x, offsets, out, scales, n, f,
+                                                                       BLOCK_ROWS=256, BLOCK_F=block_f, num_warps=4)
+    return out, scales
+
+
+@fp8_group_cols.register_fake
+def _(x: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n, f = x.shape
+    return (torch.empty_strided((n, f), (1, n), dtype=torch.float8_e4m3fn, device=x.device),
+            x.new_empty(offsets.numel() * f, dtype=torch.float32))
