@@ -88,9 +88,9 @@ def fp8_weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     out = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
     scales = torch.empty(n_experts, m, dtype=torch.float32, device=w.device)
     partial_amax = torch.empty(n_experts, programs_per_expert, k, dtype=torch.float32, device=w.device)
-    _fp8_weight_rows_kernel[(n_experts, programs_per_expert)](w, out, scales, partial_amax, m, k, programs_per_expert,
-                                                   ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, ROWS=rows, BLOCK_K=block_k,
-                                                   num_warps=8)
+    _fp8_weight_rows_kernel[(n_experts, programs_per_expert)](
+        w, out, scales, partial_amax, m, k, programs_per_expert, ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, ROWS=rows,
+        BLOCK_K=block_k, num_warps=8)
     return out, scales, partial_amax.amax(dim=1)
 
 

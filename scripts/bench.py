@@ -40,9 +40,9 @@ PHASES = [
     ("fp8 quantize", (("triton_poi", "scaled_"), ("triton_red", "scaled_"), ("triton_per", "scaled_"))),
     ("expert GEMMs", ("grouped", "group_gemm", "ptrarray", "groupproblem")),
     ("dense GEMMs", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")),
-    # torchao's Triton scale-and-cast kernels (_triton_fp8_rowwise_*, _triton_fp8_per_group_*, ...), eager casts to
-    # e4m3 (FSDP's fp8 all-gather), inductor's fusions of the scales: rowwise amax → exp2(floor(log2)), tensorwise
-    # max(abs)
+    # Triton scale-and-cast kernels (dsv3.fp8_kernels' _fp8_weight_*, _fp8_group_*; torchao's _triton_fp8_*), eager
+    # casts to e4m3 (FSDP's fp8 all-gather), inductor's fusions of the scales: rowwise amax → exp2(floor(log2)),
+    # tensorwise max(abs)
     ("fp8 quantize", ("fp8", "e4m3", "amax", "abs_max", "exp2_floor_log2")),
     ("communication", ("nccl", "all_gather", "reduce_scatter", "alltoall", "deep_ep")),
     ("routing + permutation", ("sort", "topk", "radix", "scatter", "gather", "index", "cumsum", "bmm")),

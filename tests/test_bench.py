@@ -98,6 +98,9 @@ def test_layers_are_timed_under_fsdp2_and_expert_parallelism(tmp_path):
     ("triton_poi_fused__fused_rms_norm__scaled_mm__to_copy_add_clamp_clone_mul_reciprocal_silu_silu_backward_t_view_10",
      "fp8 quantize"),
     ("_triton_fp8_per_group_colwise_scales_dual_kernel", "fp8 quantize"),
+    ("_fp8_weight_rows_kernel", "fp8 quantize"),
+    ("_fp8_weight_cols_kernel", "fp8 quantize"),
+    ("_fp8_group_cols_kernel", "fp8 quantize"),
     ("triton_red_fused__to_copy_arange_eq_exp_logsumexp_mul_sub_unsqueeze_0", "loss"),
     ("triton_poi_fused_cat_mul_silu_silu_backward_split_5", "other"),
 ])

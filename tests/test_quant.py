@@ -620,7 +620,7 @@ def test_fp8_group_kernel_quantizes_each_groups_columns_as_to_fp8_rowwise():
     from dsv3.fp8_kernels import fp8_group_cols
 
     torch.manual_seed(0)
-    sizes = [48, 0, 640, 16, 272]  # groups longer and shorter than a block of 128 rows
+    sizes = [48, 0, 640, 16, 272]  # groups longer and shorter than the kernel's block of 256 rows
     x = (torch.randn(sum(sizes), 200, device="cuda") * torch.logspace(-4, 4, 200, device="cuda")).bfloat16()
     offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
     data, scales = fp8_group_cols(x, offsets)
