@@ -148,6 +148,16 @@ def layer_times(model: Transformer, step, steps: int, device: torch.device, toke
     return result
 
 
+def expert_rows_vs_mean(loads: list[torch.Tensor]) -> list[float] | None:
+    """Routed rows per expert against the layer's mean, [lowest, highest] over the steps' loads ([L, E] each):
+    uneven groups slow the grouped GEMMs. None for a model without MoE layers, which routes nothing."""
+    rows = torch.stack(loads).float()  # [steps, L, E]
+    if not rows.numel():
+        return None
+    ratio = rows / rows.mean(-1, keepdim=True)
+    return [ratio.min().item(), ratio.max().item()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
@@ -201,6 +211,9 @@ def main() -> None:
         "gflop_per_token": flops / 1e9,
         "loss_first_last": [losses[0].item(), losses[-1].item()],  # a broken run shows here, not in the speed
     }
+    rows_vs_mean = expert_rows_vs_mean(loads[args.warmup:])
+    if rows_vs_mean is not None:
+        result["expert_rows_vs_mean_min_max"] = rows_vs_mean
     if cfg.parallel.ep > 1:  # the share of routed token copies each EP rank received, extremes over layers and steps
         ep = cfg.parallel.ep
         per_rank = torch.stack(loads).view(len(loads), -1, ep, mcfg.n_routed_experts // ep).sum(-1).float()
@@ -238,11 +251,6 @@ def main() -> None:
             with open(args.kernels, "w") as f:
                 f.writelines(f"{t:.3f}\t{phase_of(key)}\t{key}\n" for key, t in ms.items())
 
-    # routed rows per expert against the mean, extremes over layers and the timed steps: uneven groups slow the
-    # grouped GEMMs
-    rows = torch.stack(loads[args.warmup:args.warmup + args.steps]).float()  # [steps, L, E]
-    rows_vs_mean = rows / rows.mean(-1, keepdim=True)
-    result["expert_rows_vs_mean_min_max"] = [rows_vs_mean.min().item(), rows_vs_mean.max().item()]
     if rank == 0:
         if args.json:
             print(json.dumps(result))
@@ -254,8 +262,9 @@ def main() -> None:
             print(f"{tokens_per_s_per_gpu:>14,.0f} {mfu_text:>7} {result['step_ms']:>9.1f} {mem:>10}")
             print(f"  loss: {result['loss_first_last'][0]:.3f} at the first step, {result['loss_first_last'][1]:.3f} "
                   "at the last")
-            low, high = result["expert_rows_vs_mean_min_max"]
-            print(f"  routed rows per expert: {low:.2f}× to {high:.2f}× the mean")
+            if "expert_rows_vs_mean_min_max" in result:
+                low, high = result["expert_rows_vs_mean_min_max"]
+                print(f"  routed rows per expert: {low:.2f}× to {high:.2f}× the mean")
             if "ep_rank_share_min_max" in result:
                 low, high = result["ep_rank_share_min_max"]
                 print(f"  routed tokens per EP rank: {100 * low:.1f}% to {100 * high:.1f}% of each layer's")

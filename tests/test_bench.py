@@ -10,7 +10,7 @@ import train
 from conftest import free_port, torchrun_env
 from dsv3 import parallel
 from dsv3.config import load_config
-from scripts.bench import layer_times, phase_of, timed_blocks
+from scripts.bench import expert_rows_vs_mean, layer_times, phase_of, timed_blocks
 
 
 @pytest.fixture
@@ -81,6 +81,12 @@ def test_layers_are_timed_under_fsdp2_and_expert_parallelism(tmp_path):
     for rank in range(2):
         counts, moved = torch.load(tmp_path / f"rank-{rank}.pt")
         assert counts == {"dense": (1, True, True), "moe": (2, True, True)} and moved
+
+
+def test_expert_rows_vs_mean_spans_every_layer_and_step_and_is_none_without_moe_layers():
+    loads = [torch.tensor([[2, 6], [4, 4]]), torch.tensor([[4, 4], [1, 7]])]  # 2 steps, 2 layers, 2 experts
+    assert expert_rows_vs_mean(loads) == [0.25, 1.75]
+    assert expert_rows_vs_mean([torch.zeros(0, 2, dtype=torch.long)] * 2) is None  # no MoE layer: nothing routed
 
 
 @pytest.mark.parametrize("kernel, phase", [
