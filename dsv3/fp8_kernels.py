@@ -1,14 +1,18 @@
 """Triton kernels that quantize the routed experts' operands for their FP8 grouped GEMMs
-(`quant.fp8_rowwise_grouped_mm`) where inductor cannot: the weights along each axis, and the weight gradient's
-token rows along the tokens of each expert's group. (The token rows along the features are plain torch ops, fused
-by inductor into the kernels that make them.) Scales are powers of two, 2^⌊log2(448 / amax)⌋, as
-`quant.to_fp8_rowwise`'s and torchao's, and the results are theirs bit for bit.
+(`quant.fp8_rowwise_grouped_mm`, `quant.fp8_blockwise_grouped_mm`) where inductor cannot: the weights along each
+axis or in blocks, and the weight gradient's token rows along the tokens of each expert's group. (The token rows
+along the features are plain torch ops, fused by inductor into the kernels that make them.) Scales are powers of
+two, 2^⌊log2(448 / amax)⌋, as `quant.to_fp8_rowwise`'s and torchao's, and the rowwise results are theirs bit for
+bit.
 
 Weights: the forward GEMM needs each expert's W [M, K] (K contiguous) scaled along K, one scale per row; the input
 gradient's GEMM needs Wᵀ scaled along M, one scale per column, stored transposed. torchao 0.18's kernels read W
 twice per layout (an amax pass, then a cast pass that finds it evicted from L2): 10 bytes moved per weight element
 per step. Here the forward kernel holds whole rows in registers, so it quantizes them in one read, and also records
 each column's amax over the rows it saw; the backward kernel casts Wᵀ with those amaxes: 6 bytes per element.
+
+Blocks (`quant.fp8_blockwise_grouped_mm`): one power-of-two scale per 128×128 block of each expert's weight, which
+does not change when the block is read transposed, so one kernel reads W once and writes both W and Wᵀ in e4m3.
 
 Token groups: the weight gradient grad_outᵀ · x takes both operands scaled per column within each expert's group
 and stored column-major. One program per group and block of 32 columns makes an amax pass over the group's rows,
@@ -119,6 +123,44 @@ def _(w: torch.Tensor, col_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     n_experts, m, k = w.shape
     return (torch.empty(n_experts, k, m, dtype=torch.float8_e4m3fn, device=w.device),
             w.new_empty(n_experts, k, dtype=torch.float32))
+
+
+@triton.jit
+def _fp8_weight_blocks_kernel(w_ptr, out_ptr, out_t_ptr, inv_scales_ptr, M, K, BLOCK: tl.constexpr):
+    expert = tl.program_id(0)
+    block_row = tl.program_id(1)
+    block_col = tl.program_id(2)
+    rows = block_row * BLOCK + tl.arange(0, BLOCK)
+    cols = block_col * BLOCK + tl.arange(0, BLOCK)
+    base = expert.to(tl.int64) * M * K
+    w = tl.load(w_ptr + base + rows[:, None] * K + cols[None, :]).to(tl.float32)
+    scale = _pow2_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0))
+    w_fp8 = tl.clamp(w * scale, -448.0, 448.0).to(tl.float8e4nv)
+    tl.store(out_ptr + base + rows[:, None] * K + cols[None, :], w_fp8)
+    tl.store(out_t_ptr + base + cols[:, None] * M + rows[None, :], tl.trans(w_fp8))
+    tl.store(inv_scales_ptr + (expert * (M // BLOCK) + block_row) * (K // BLOCK) + block_col, 1.0 / scale)
+
+
+@torch.library.custom_op("dsv3::fp8_weight_blocks", mutates_args=())
+def fp8_weight_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [E, M, K] contiguous, M and K multiples of 128 → (e4m3 [E, M, K], e4m3 [E, K, M], inverse scales
+    [E, M/128, K/128]): one power-of-two scale per 128×128 block (DeepSeek-V3 §3.3.2), w and wᵀ from one read.
+    A block's scale does not depend on which way it is read, so wᵀ's inverse scales are these, transposed."""
+    n_experts, m, k = w.shape
+    out = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    out_t = torch.empty(n_experts, k, m, dtype=torch.float8_e4m3fn, device=w.device)
+    inv_scales = torch.empty(n_experts, m // 128, k // 128, dtype=torch.float32, device=w.device)
+    _fp8_weight_blocks_kernel[(n_experts, m // 128, k // 128)](w, out, out_t, inv_scales, m, k, BLOCK=128,
+                                                                num_warps=8)
+    return out, out_t, inv_scales
+
+
+@fp8_weight_blocks.register_fake
+def _(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n_experts, m, k = w.shape
+    return (torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device),
+            torch.empty(n_experts, k, m, dtype=torch.float8_e4m3fn, device=w.device),
+            w.new_empty(n_experts, m // 128, k // 128, dtype=torch.float32))
 
 
 @triton.jit

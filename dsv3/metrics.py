@@ -123,6 +123,8 @@ def startup_banner(cfg: Config, world: int, device: torch.device, memory_plan: s
     precision = "fp32" if device.type == "cpu" and t.precision == "bf16" else t.precision  # bf16: the GPU path
     if t.expert_precision == "low":
         precision += ", routed experts too"
+    elif t.expert_precision == "fp8-blockwise":
+        precision += ", routed experts fp8 (1×128 / 128×128 blocks, DeepGEMM)"
 
     def count(n: int) -> str:
         return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"

@@ -11,7 +11,8 @@ each call in one function named for what it does, and imported only here, only w
                                 loss within 1% with bf16 moments, not with fp32 ones; under FSDP2 the weights are
                                 all-gathered in fp8: call
                                 `precompute_fp8_scales(model)` after every optimizer step.
-                  (DeepSeek-V3's own 1×128 / 128×128 blockwise recipe did not pay on Hopper: README, "Precision".)
+                  (DeepSeek-V3's own 1×128 / 128×128 blockwise recipe for the dense linears, through torchao,
+                  did not pay on Hopper: README, "Precision".)
                   Decided by shape: only linears with min(in_features, out_features) ≥ `train.fp8_min_features`
                   are converted. Quantizing moves bytes in proportion to T·(in + out), the GEMM saves time in
                   proportion to T·in·out, so below that width the quantization costs more than FP8 saves.
@@ -19,6 +20,9 @@ each call in one function named for what it does, and imported only here, only w
   mxfp8-emulated  the same numerics, quantized and dequantized around bf16 GEMMs: any device, no speed-up.
 `train.expert_precision=low` runs the routed experts' grouped GEMMs in that format too (fp8, either recipe: rowwise
 scales), with every expert's token group padded by the dispatcher to the rows the kernel needs (`GROUP_ALIGN`).
+`train.expert_precision=fp8-blockwise` (Hopper, any `precision`) runs them in DeepSeek-V3's own recipe instead:
+1×128 tiles of the token rows and 128×128 blocks of the weights through DeepGEMM's grouped GEMM for the forward
+and the input gradient, groups padded to 128 rows; the weight gradient stays rowwise.
 
 Never quantized: the embedding, the router gate, the norms and the output head (DeepSeek-V3 §3.3.1). The MTP
 modules (eh_proj included) keep bf16 dense linears as well: they see B·(S−k) tokens, a count that fp8's
@@ -40,7 +44,7 @@ from dsv3.config import UserError
 from dsv3.moe import MoE
 
 PRECISIONS = ("bf16", "fp8", "mxfp8", "mxfp8-emulated")
-EXPERT_PRECISIONS = ("bf16", "low")
+EXPERT_PRECISIONS = ("bf16", "low", "fp8-blockwise")
 FP8_RECIPES = ("rowwise", "tensorwise")
 # Rows per token group the low-precision grouped GEMMs need: fp8 rowwise `_scaled_grouped_mm` takes groups in
 # multiples of 16; MXFP8 quantizes the weight gradient's token dimension in blocks of 32 (emulated too, so that
@@ -50,6 +54,7 @@ GROUP_ALIGN = {"fp8": 16, "mxfp8": 32, "mxfp8-emulated": 32}
 # so must the tokens of a micro-batch, the inner dim of their weight-gradient GEMM.
 FEATURE_MULTIPLE = {"fp8": 16, "mxfp8": 32, "mxfp8-emulated": 32}
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+BLOCK = 128  # DeepSeek-V3's FP8 tile and weight block edge (§3.3.2); DeepGEMM's groups start at multiples of it
 
 
 class _EnumRegisteredAsConstant(logging.Filter):
@@ -77,6 +82,8 @@ def check_precision(precision: str, expert_precision: str, device: torch.device,
     """Fail at start-up, with what to do instead, if `device` cannot run the asked-for precision, or if the
     `tokens` of a micro-batch (micro_batch × seq_len; 0: not checked) cannot fill the low-precision GEMMs."""
     _check_modes(precision, expert_precision, fp8_recipe)
+    if expert_precision == "fp8-blockwise":
+        _check_deepgemm(device)
     if precision == "bf16":
         return
     if tokens % FEATURE_MULTIPLE[precision]:
@@ -121,6 +128,22 @@ def check_precision(precision: str, expert_precision: str, device: torch.device,
                             "--train.expert_precision=bf16")
 
 
+def _check_deepgemm(device: torch.device) -> None:
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability is None or capability[0] != 9:
+        where = f"compute capability {capability[0]}.{capability[1]}" if capability else "a CPU"
+        raise UserError(f"train.expert_precision=fp8-blockwise runs DeepGEMM's Hopper kernels (compute capability "
+                        f"9.0), not on {where}: use --train.expert_precision=low (with --train.precision=fp8 or "
+                        "mxfp8) or bf16")
+    try:
+        import deep_gemm  # noqa: F401
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"train.expert_precision=fp8-blockwise needs DeepGEMM and triton: run "
+                          f"scripts/install_deepgemm.sh and put the PYTHONPATH it prints in the environment ({e})"
+                          ) from e
+
+
 def convertible_linears(model: nn.Module, precision: str, fp8_min_features: int = 0) -> list[str]:
     """The dense linears `precision` may convert: every nn.Linear outside the output head and the MTP modules
     whose features divide by what its kernels need and, for fp8, whose min(in, out) features reach
@@ -142,10 +165,13 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
     (e.g. "attn", "shared_experts"); others stay bf16. Modules are swapped, their weight Parameters kept, so
     parameter names (FSDP, checkpoints) do not change. `fsdp`: whether FSDP2 will shard the model; only then do
     tensorwise weights carry the fp8 all-gather.
-    Experts (`expert_precision=low`): each `GroupedExperts.grouped_mm` becomes the low-precision one and each
-    dispatcher pads groups to GROUP_ALIGN rows. Works on a meta-device model.
+    Experts: `expert_precision=low` makes each `GroupedExperts.grouped_mm` the precision's low-precision one, whose
+    dispatcher pads groups to GROUP_ALIGN rows; `fp8-blockwise` makes it `fp8_blockwise_grouped_mm` (any
+    `precision`), groups padded to BLOCK rows. Works on a meta-device model.
     """
     _check_modes(precision, expert_precision, fp8_recipe)
+    if expert_precision == "fp8-blockwise":
+        _swap_expert_gemm(model, fp8_blockwise_grouped_mm, BLOCK, BLOCK, expert_precision)
     if precision == "bf16":
         return []
     eligible = convertible_linears(model, precision, fp8_min_features)
@@ -166,15 +192,19 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
             gemm = fp8_rowwise_grouped_mm
         else:
             gemm = functools.partial(mxfp8_grouped_mm, emulated=precision == "mxfp8-emulated")
-        for moe in (m for m in model.modules() if isinstance(m, MoE)):
-            dim, inter_dim = moe.experts.w2.shape[1:]
-            if dim % FEATURE_MULTIPLE[precision] or inter_dim % FEATURE_MULTIPLE[precision]:
-                raise UserError(f"train.expert_precision=low with {precision} needs model.dim ({dim}) and "
-                                f"model.moe_inter_dim ({inter_dim}) divisible by {FEATURE_MULTIPLE[precision]}: "
-                                "change them or use --train.expert_precision=bf16")
-            moe.experts.grouped_mm = gemm
-            moe.dispatcher.align = GROUP_ALIGN[precision]
+        _swap_expert_gemm(model, gemm, FEATURE_MULTIPLE[precision], GROUP_ALIGN[precision], f"low with {precision}")
     return names
+
+
+def _swap_expert_gemm(model: nn.Module, gemm, feature_multiple: int, align: int, what: str) -> None:
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        dim, inter_dim = moe.experts.w2.shape[1:]
+        if dim % feature_multiple or inter_dim % feature_multiple:
+            raise UserError(f"train.expert_precision={what} needs model.dim ({dim}) and model.moe_inter_dim "
+                            f"({inter_dim}) divisible by {feature_multiple}: change them or use "
+                            "--train.expert_precision=bf16")
+        moe.experts.grouped_mm = gemm
+        moe.dispatcher.align = align
 
 
 def convert_to_fp8_training(model: nn.Module, names: list[str], recipe: str, fp8_all_gather: bool = True) -> None:
@@ -214,10 +244,14 @@ def to_fp8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] → (e4m3 [M, K], scales [M] fp32) with x ≈ e4m3 / scale row by row; each scale is the power of two at
     or below 448 / amax(row), as torchao's. Plain torch ops, so that inside a compiled block inductor fuses the
     row reduction and the cast into one kernel, and into the op that made x (SwiGLU, silu's backward)."""
-    amax = x.abs().amax(dim=-1).float().clamp(min=1e-12)
-    scales = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
+    scales = _pow2_scales(x.abs().amax(dim=-1).float())
     data = (x.float() * scales[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return data, scales
+
+
+def _pow2_scales(amax: torch.Tensor) -> torch.Tensor:
+    """The power of two at or below 448 / amax: multiplying by it fills e4m3's range and is exact to undo."""
+    return torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax.clamp(min=1e-12))))
 
 
 def fp8_rowwise_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -245,7 +279,7 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        from dsv3.fp8_kernels import fp8_group_cols, fp8_weight_cols
+        from dsv3.fp8_kernels import fp8_weight_cols
 
         x, w_rows, offsets, w_col_amax = ctx.saved_tensors
         grad_out = grad_out.contiguous()
@@ -255,12 +289,88 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
         grad_x = torch._scaled_grouped_mm(g_fp8, wt_fp8.transpose(-2, -1), g_scales.reciprocal(),
                                           wt_scales.reciprocal(), offsets, out_dtype=grad_out.dtype,
                                           use_fast_accum=True)
-        # grad_w [E, M, K] = grad_outᵀ · x per group: both along the tokens, within each expert's group
-        g_cols, g_col_scales = fp8_group_cols(grad_out, offsets)
-        x_cols, x_col_scales = fp8_group_cols(x, offsets)
-        grad_w = torch._scaled_grouped_mm(g_cols.t(), x_cols, g_col_scales.reciprocal(), x_col_scales.reciprocal(),
-                                          offsets, out_dtype=grad_out.dtype, use_fast_accum=True)
-        return grad_x, grad_w.transpose(-2, -1), None
+        return grad_x, _fp8_rowwise_weight_grad(grad_out, x, offsets).transpose(-2, -1), None
+
+
+def _fp8_rowwise_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """grad_w [E, M, K] = grad_outᵀ · x per group, both quantized along the tokens, within each expert's group."""
+    from dsv3.fp8_kernels import fp8_group_cols
+
+    g_cols, g_col_scales = fp8_group_cols(grad_out, offsets)
+    x_cols, x_col_scales = fp8_group_cols(x, offsets)
+    return torch._scaled_grouped_mm(g_cols.t(), x_cols, g_col_scales.reciprocal(), x_col_scales.reciprocal(),
+                                    offsets, out_dtype=grad_out.dtype, use_fast_accum=True)
+
+
+def to_fp8_tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, K] → (e4m3 [N, K], inverse scales [N, K/128] fp32): one power-of-two scale per 1×128 tile of a row
+    (DeepSeek-V3 §3.3.2). Plain torch ops, for inductor to fuse into the kernel that makes x (in the 671B-width
+    step it made an amax kernel and a cast kernel of them: README, "Precision")."""
+    n, k = x.shape
+    tiles = x.float().view(n, k // BLOCK, BLOCK)
+    scales = _pow2_scales(tiles.abs().amax(dim=-1))
+    data = (tiles * scales[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(n, k)
+    return data, scales.reciprocal()
+
+
+def group_of_row(offsets: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """Each row's group (the expert whose weights it meets) from the groups' ends, −1 past the last group: the
+    per-row layout of DeepGEMM's contiguous grouped GEMM, which skips the −1 rows' 128-row blocks."""
+    group = torch.searchsorted(offsets, torch.arange(n_rows, device=offsets.device, dtype=offsets.dtype),
+                               right=True)
+    return torch.where(group < offsets.numel(), group, -1).to(torch.int32)
+
+
+@torch.library.custom_op("dsv3::fp8_block_grouped_mm", mutates_args=(), device_types="cuda")
+def fp8_block_grouped_mm(a: torch.Tensor, a_inv_scales: torch.Tensor, b: torch.Tensor, b_inv_scales: torch.Tensor,
+                         groups: torch.Tensor) -> torch.Tensor:
+    """out [N, M] bf16, row i = a[i] · b[groups[i]]ᵀ (a [N, K] e4m3 in 1×128 tiles, b [E, M, K] e4m3 in 128×128
+    blocks): DeepGEMM's m-grouped contiguous FP8 GEMM. Rows of group −1 are not written."""
+    import deep_gemm
+
+    out = torch.empty(a.size(0), b.size(1), dtype=torch.bfloat16, device=a.device)
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, a_inv_scales), (b, b_inv_scales), out, groups)
+    return out
+
+
+@fp8_block_grouped_mm.register_fake
+def _(a, a_inv_scales, b, b_inv_scales, groups):
+    return a.new_empty(a.size(0), b.size(1), dtype=torch.bfloat16)
+
+
+def fp8_blockwise_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Routed-expert GEMM in DeepSeek-V3's FP8 recipe; groups must start at multiples of 128 rows (the dispatcher
+    pads them)."""
+    return _Fp8BlockwiseGroupedMM.apply(x, w, offsets)
+
+
+class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
+    """out = x·w per group. The forward and the input gradient take DeepSeek-V3's scales (§3.3.2: 1×128 tiles of
+    the token rows, 128×128 blocks of the weights) through DeepGEMM's grouped GEMM; the weight gradient, whose
+    inner dimension is each group's tokens, takes `_Fp8RowwiseGroupedMM`'s per-group column scales: torch's
+    grouped GEMM ran it faster than DeepGEMM's k-grouped one, which writes fp32."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        # x [N, K] row-major; w [E, K, M], each expert's matrix column-major (a transposed view of [E, M, K])
+        from dsv3.fp8_kernels import fp8_weight_blocks
+
+        x_fp8, x_inv_scales = to_fp8_tiles(x)
+        w_fp8, wt_fp8, w_inv_scales = fp8_weight_blocks(w.transpose(-2, -1).contiguous())  # [E, M, K]: w's memory
+        groups = group_of_row(offsets, x.size(0))
+        ctx.save_for_backward(x, wt_fp8, w_inv_scales, offsets, groups)
+        # DeepGEMM's output itself: returning an alias of it (`.to` of its own dtype) lost the gradient under
+        # torch.compile (torch 2.11)
+        return fp8_block_grouped_mm(x_fp8, x_inv_scales, w_fp8, w_inv_scales, groups)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, wt_fp8, w_inv_scales, offsets, groups = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        g_fp8, g_inv_scales = to_fp8_tiles(grad_out)
+        grad_x = fp8_block_grouped_mm(g_fp8, g_inv_scales, wt_fp8, w_inv_scales.transpose(-2, -1).contiguous(),
+                                      groups)
+        return grad_x, _fp8_rowwise_weight_grad(grad_out, x, offsets).transpose(-2, -1), None
 
 
 def mxfp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, emulated: bool) -> torch.Tensor:

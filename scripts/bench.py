@@ -37,8 +37,9 @@ PHASES = [
     ("loss", ("softmax", "nll_loss", "cross_entropy", "logsumexp", "chunk_loss")),
     # inductor's kernels that make a scaled GEMM's operands (named after the ops they fuse: the scales, the cast to
     # e4m3, and whatever made the operand, e.g. SwiGLU), before "grouped" would take them for the GEMM
-    ("fp8 quantize", (("triton_poi", "scaled_"), ("triton_red", "scaled_"), ("triton_per", "scaled_"))),
-    ("expert GEMMs", ("grouped", "group_gemm", "ptrarray", "groupproblem")),
+    ("fp8 quantize", tuple((kind, op) for kind in ("triton_poi", "triton_red", "triton_per")
+                           for op in ("scaled_", "fp8_block_grouped_mm"))),
+    ("expert GEMMs", ("grouped", "group_gemm", "ptrarray", "groupproblem", "deep_gemm")),
     ("dense GEMMs", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")),
     # Triton scale-and-cast kernels (dsv3.fp8_kernels' _fp8_weight_*, _fp8_group_*; torchao's _triton_fp8_*), eager
     # casts to e4m3 (FSDP's fp8 all-gather), inductor's fusions of the scales: rowwise amax → exp2(floor(log2)),

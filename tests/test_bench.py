@@ -103,6 +103,13 @@ def test_expert_rows_vs_mean_spans_every_layer_and_step_and_is_none_without_moe_
      "fp8 quantize"),
     ("triton_poi_fused__fused_rms_norm__scaled_mm__to_copy_add_clamp_clone_mul_reciprocal_silu_silu_backward_t_view_10",
      "fp8 quantize"),
+    # DeepGEMM's grouped GEMM (--train.expert_precision=fp8-blockwise), and inductor's kernels that feed it
+    ("void deep_gemm::sm90_fp8_gemm_1d2d_impl<(cute::UMMA::Major)0, 0u, 7168u, 4096u, 32u, 128u, 192u, 128u>",
+     "expert GEMMs"),
+    ("triton_poi_fused__to_copy_clamp_clone_exp2_floor_fp8_block_grouped_mm_log2_mul_reciprocal_silu_split_t_"
+     "unsqueeze_view_37", "fp8 quantize"),
+    ("triton_red_fused__fused_rms_norm__to_copy_abs_add_amax_clamp_clone_exp2_floor_floor_divide_fp8_block_grouped_"
+     "mm_ge_index_log2_mul_reciprocal_scalar_tensor_t_unsqueeze_view_where_33", "fp8 quantize"),
     ("_triton_fp8_per_group_colwise_scales_dual_kernel", "fp8 quantize"),
     ("_fp8_weight_rows_kernel", "fp8 quantize"),
     ("_fp8_weight_cols_kernel", "fp8 quantize"),

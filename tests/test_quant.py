@@ -258,6 +258,54 @@ def pad_groups(x, expert_of_row, counts, align, bucket=False):
     return gather_token_copies(x, order, 1), padded_counts, row_of_slot(order, x.size(0))
 
 
+def test_fp8_tiles_scale_each_1x128_tile_by_a_power_of_two_that_fills_e4m3():
+    torch.manual_seed(0)
+    x = torch.randn(8, 384) * torch.logspace(-3, 3, 384)  # tiles of very different ranges
+    x[3, 128:256] = 0  # an all-zero tile
+    data, inv_scales = quant.to_fp8_tiles(x)
+    assert data.dtype == torch.float8_e4m3fn and inv_scales.shape == (8, 3)
+    tiles = x.view(8, 3, 128)
+    scales = 1 / inv_scales
+    assert torch.equal(scales, torch.exp2(torch.floor(torch.log2(448 / tiles.abs().amax(-1).clamp(min=1e-12)))))
+    assert (tiles.abs().amax(-1) * scales <= 448).all()
+    restored = data.float().view(8, 3, 128) * inv_scales[..., None]
+    # e4m3: 3 mantissa bits, and subnormals 2^-9 apart
+    assert ((restored - tiles).abs() <= tiles.abs() / 16 + 2 ** -10 * inv_scales[..., None]).all()
+    assert (data.view(8, 3, 128)[3, 1].float() == 0).all()
+
+
+def test_group_of_row_follows_the_group_ends_and_marks_the_rows_past_them():
+    offsets = torch.tensor([128, 128, 384, 512], dtype=torch.int32)  # group 1 empty
+    groups = quant.group_of_row(offsets, 768)
+    assert groups.dtype == torch.int32
+    expected = torch.cat([torch.full((128,), 0), torch.full((256,), 2), torch.full((128,), 3), torch.full((256,), -1)])
+    assert torch.equal(groups, expected.int())
+
+
+def test_fp8_blockwise_experts_swap_the_grouped_gemm_at_any_dense_precision():
+    model = Transformer(replace(CFG, moe_inter_dim=128))
+    assert quant.apply(model, "bf16", "fp8-blockwise") == []
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    assert moes and all(m.experts.grouped_mm is quant.fp8_blockwise_grouped_mm for m in moes)
+    assert all(m.dispatcher.align == 128 for m in moes)
+    with pytest.raises(ValueError, match=r"expert_precision=fp8-blockwise needs model.dim \(128\) and "
+                                         r"model.moe_inter_dim \(64\) divisible by 128"):
+        quant.apply(Transformer(CFG), "fp8", "fp8-blockwise")
+
+
+def test_fp8_blockwise_experts_need_hopper_and_name_the_deepgemm_install(monkeypatch):
+    with pytest.raises(ValueError, match="fp8-blockwise runs DeepGEMM's Hopper kernels.*not on a CPU"):
+        quant.check_precision("bf16", "fp8-blockwise", torch.device("cpu"))
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))  # B200
+    with pytest.raises(ValueError, match="not on compute capability 10.0.*expert_precision=low"):
+        quant.check_precision("fp8", "fp8-blockwise", gpu, tokens=4096)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)  # makes `import deep_gemm` raise ImportError
+    with pytest.raises(ImportError, match="fp8-blockwise needs DeepGEMM.*scripts/install_deepgemm.sh"):
+        quant.check_precision("fp8", "fp8-blockwise", gpu, tokens=4096)
+
+
 def test_pad_order():
     """Every group starts at a multiple of `align` and holds at least `align` rows: an empty expert (1, and the
     last, which also absorbs the slack) gets a block of zero rows, never a group of none."""
@@ -531,10 +579,15 @@ def _train(tmp_path, *overrides: str) -> list[dict]:
     ("--train.precision=fp8",),  # rowwise
     ("--train.precision=fp8", "--train.expert_precision=low"),
     ("--train.precision=mxfp8-emulated", "--train.expert_precision=low"),
+    ("--train.expert_precision=fp8-blockwise", "--model.moe_inter_dim=128"),
 ])
 def test_low_precision_trains_on_cuda(tmp_path, overrides):
     if torch.cuda.get_device_capability() < (8, 9) and "--train.precision=fp8" in overrides:
         pytest.skip("fp8 needs compute capability >= 8.9")
+    if "--train.expert_precision=fp8-blockwise" in overrides:
+        if torch.cuda.get_device_capability()[0] != 9:
+            pytest.skip("DeepGEMM's FP8 kernels here are Hopper's")
+        pytest.importorskip("deep_gemm", reason="scripts/install_deepgemm.sh builds it")
     metrics = _train(tmp_path, *overrides)  # train.main raises on the first non-finite loss
     losses = [m["loss"] for m in metrics if "loss" in m]
     assert len(losses) == 5 and all(torch.isfinite(torch.tensor(losses)))  # steps 1, 5, 10, 15, 20
@@ -561,6 +614,53 @@ def test_fp8_rowwise_experts_follow_the_bf16_experts_on_cuda():
     assert 0 < ((y - y_ref).float().norm() / y_ref.float().norm()).item() < 0.1
     for p, q in zip(low.parameters(), experts.parameters()):
         assert F.cosine_similarity(p.grad.float().flatten(), q.grad.float().flatten(), dim=0).item() > 0.99
+
+
+@pytest.mark.gpu
+def test_fp8_weight_blocks_quantize_each_128x128_block_and_its_transpose_from_one_scale():
+    from dsv3.fp8_kernels import fp8_weight_blocks
+
+    torch.manual_seed(0)
+    w = (torch.randn(3, 256, 384, device="cuda") * torch.logspace(-2, 2, 384, device="cuda")).bfloat16()
+    w[1, :128, 256:] = 0  # an all-zero block
+    w_fp8, wt_fp8, inv_scales = fp8_weight_blocks(w)
+    blocks = w.float().view(3, 2, 128, 3, 128)
+    scales = torch.exp2(torch.floor(torch.log2(448 / blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12))))
+    assert torch.equal(inv_scales, 1 / scales)
+    expected = (blocks * scales[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(3, 256, 384)
+    assert torch.equal(w_fp8.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(wt_fp8.view(torch.uint8), expected.transpose(-2, -1).contiguous().view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_fp8_blockwise_experts_follow_the_bf16_experts_compiled_or_not():
+    """DeepGEMM's grouped GEMM in DeepSeek-V3's block recipe: output and both gradients close to bf16's, eager and
+    compiled (an output aliasing DeepGEMM's once lost its gradient under torch.compile)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("DeepGEMM's FP8 kernels here are Hopper's")
+    pytest.importorskip("deep_gemm", reason="scripts/install_deepgemm.sh builds it")
+    torch.manual_seed(0)
+    dim, inter = 256, 384
+    counts = torch.tensor([300, 0, 128, 517, 64, 129, 1, 250])
+    padded = (counts.clamp(min=1) + 127) // 128 * 128
+    offsets = padded.cumsum(0).to(torch.int32).cuda()
+    real = torch.cat([torch.arange(n) < c for c, n in zip(counts.tolist(), padded.tolist())] +
+                     [torch.zeros(256, dtype=torch.bool)]).cuda()  # a tail past the last group, as pad_order's
+    x = torch.randn(real.numel(), dim, device="cuda", dtype=torch.bfloat16) * real[:, None]
+    w = (torch.randn(8, 2 * inter, dim, device="cuda") * 0.05).bfloat16().requires_grad_()
+    grad = torch.randn(real.numel(), 2 * inter, device="cuda", dtype=torch.bfloat16) * real[:, None]
+
+    def run(gemm):
+        xx = x.clone().requires_grad_()
+        w.grad = None
+        y = gemm(xx, w.transpose(-2, -1), offsets)
+        y.backward(grad)
+        return y[real].float(), xx.grad[real].float(), w.grad.float()
+
+    reference = run(lambda a, b, o: torch._grouped_mm(a, b, offs=o))
+    for gemm in (quant.fp8_blockwise_grouped_mm, torch.compile(quant.fp8_blockwise_grouped_mm)):
+        for ours, theirs in zip(run(gemm), reference):
+            assert 0 < ((ours - theirs).norm() / theirs.norm()).item() < 0.06  # e4m3 on both operands
 
 
 @pytest.mark.gpu

@@ -38,6 +38,7 @@ ELSEWHERE = [
     ("python scripts/bench_prepare.py", "minutes of 16 cores (tests/test_prepare.py checks the same paths)"),
     ("torchrun --nproc_per_node=2 scripts/bench_exchange.py", "2 GPUs"),
     ("scripts/install_deepep.sh", "builds DeepEP against CUDA"),
+    ("scripts/install_deepgemm.sh", "builds DeepGEMM against CUDA"),
     ("export", "sets a variable"),
 ]
 
