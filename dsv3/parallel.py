@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-from dsv3 import dispatch
+from dsv3 import dispatch, quant
 from dsv3.config import UserError
 from dsv3.model import Transformer
 from dsv3.moe import LocalDispatcher, MoE
@@ -126,11 +126,12 @@ def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, red
 # Selective AC keeps what is expensive to recompute (GEMM and attention outputs), recomputes the rest. It sees
 # the ops that run, and inside a compiled MoE block inductor runs the dense GEMMs as `mm.out` into its own
 # buffers, which SAC cannot hand back: there those are recomputed, the grouped GEMMs and attention kept.
-# Under fp8 the GEMMs are the scaled ones (torchao's dense `_scaled_mm`, dsv3.quant's `_scaled_grouped_mm`); their
-# scales come from amax reductions (tensorwise `max`, rowwise `amax`) whose small outputs are kept too, as torchtitan
-# keeps `max`, so that recompute does not reduce whole activations again.
+# Under fp8 the GEMMs are the scaled ones (torchao's dense `_scaled_mm`, dsv3.quant's `_scaled_grouped_mm` and
+# DeepGEMM's `fp8_block_grouped_mm`); their scales come from amax reductions (tensorwise `max`, rowwise `amax`) whose
+# small outputs are kept too, as torchtitan keeps `max`, so that recompute does not reduce whole activations again.
 _SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default,
              torch.ops.aten._scaled_mm.default, torch.ops.aten._scaled_grouped_mm.default,
+             quant.fp8_block_grouped_mm._opoverload,
              torch.ops.aten.max.default, torch.ops.aten.amax.default,
              torch.ops.aten._scaled_dot_product_cudnn_attention.default,
              torch.ops.aten._scaled_dot_product_flash_attention.default,

@@ -20,7 +20,7 @@ each call in one function named for what it does, and imported only here, only w
   mxfp8-emulated  the same numerics, quantized and dequantized around bf16 GEMMs: any device, no speed-up.
 `train.expert_precision=low` runs the routed experts' grouped GEMMs in that format too (fp8, either recipe: rowwise
 scales), with every expert's token group padded by the dispatcher to the rows the kernel needs (`GROUP_ALIGN`).
-`train.expert_precision=fp8-blockwise` (Hopper, any `precision`) runs them in DeepSeek-V3's own recipe instead:
+`train.expert_precision=fp8-blockwise` (Hopper; bf16 or fp8 dense linears) runs them in DeepSeek-V3's own recipe instead:
 1×128 tiles of the token rows and 128×128 blocks of the weights through DeepGEMM's grouped GEMM for the forward
 and the input gradient, groups padded to 128 rows; the weight gradient stays rowwise.
 
@@ -166,8 +166,8 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
     parameter names (FSDP, checkpoints) do not change. `fsdp`: whether FSDP2 will shard the model; only then do
     tensorwise weights carry the fp8 all-gather.
     Experts: `expert_precision=low` makes each `GroupedExperts.grouped_mm` the precision's low-precision one, whose
-    dispatcher pads groups to GROUP_ALIGN rows; `fp8-blockwise` makes it `fp8_blockwise_grouped_mm` (any
-    `precision`), groups padded to BLOCK rows. Works on a meta-device model.
+    dispatcher pads groups to GROUP_ALIGN rows; `fp8-blockwise` makes it `fp8_blockwise_grouped_mm` (whatever the
+    dense `precision`), groups padded to BLOCK rows. Works on a meta-device model.
     """
     _check_modes(precision, expert_precision, fp8_recipe)
     if expert_precision == "fp8-blockwise":

@@ -100,4 +100,4 @@ else
 fi
 echo
 echo "DeepGEMM is built. Put it on the path of every training process (and keep nvcc at CUDA_HOME):"
-echo "  export PYTHONPATH=$src\${PYTHONPATH:+:\$PYTHONPATH} CUDA_HOME=$cuda_home"
+echo "  export PYTHONPATH=\"$src\"\${PYTHONPATH:+:\$PYTHONPATH} CUDA_HOME=\"$cuda_home\""

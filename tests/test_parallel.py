@@ -370,8 +370,9 @@ def test_selective_ac_keeps_the_fp8_gemms_and_their_amax_reductions():
     with _CountOps(ops) as recomputed:
         y.sum().backward()
     assert recomputed.counts == dict.fromkeys(ops, 0)
-    # the experts' fp8 GEMM (CUDA only) and the rowwise scales' reduction
-    for op in (torch.ops.aten._scaled_grouped_mm.default, torch.ops.aten.amax.default):
+    # the experts' fp8 GEMMs (CUDA only: rowwise, and DeepGEMM's blockwise) and the rowwise scales' reduction
+    for op in (torch.ops.aten._scaled_grouped_mm.default, torch.ops.dsv3.fp8_block_grouped_mm.default,
+               torch.ops.aten.amax.default):
         assert parallel._selective_policy(None, op) == CheckpointPolicy.MUST_SAVE
 
 
