@@ -20,9 +20,9 @@ each call in one function named for what it does, and imported only here, only w
   mxfp8-emulated  the same numerics, quantized and dequantized around bf16 GEMMs: any device, no speed-up.
 `train.expert_precision=low` runs the routed experts' grouped GEMMs in that format too (fp8, either recipe: rowwise
 scales), with every expert's token group padded by the dispatcher to the rows the kernel needs (`GROUP_ALIGN`).
-`train.expert_precision=fp8-blockwise` (Hopper; bf16 or fp8 dense linears) runs them in DeepSeek-V3's own recipe instead:
-1×128 tiles of the token rows and 128×128 blocks of the weights through DeepGEMM's grouped GEMM for the forward
-and the input gradient, groups padded to 128 rows; the weight gradient stays rowwise.
+`train.expert_precision=fp8-blockwise` (Hopper; bf16 or fp8 dense linears) runs them in DeepSeek-V3's own recipe
+instead: 1×128 tiles of the token rows and 128×128 blocks of the weights through DeepGEMM's grouped GEMM for the
+forward and the input gradient, groups padded to 128 rows; the weight gradient stays rowwise.
 
 Never quantized: the embedding, the router gate, the norms and the output head (DeepSeek-V3 §3.3.1). The MTP
 modules (eh_proj included) keep bf16 dense linears as well: they see B·(S−k) tokens, a count that fp8's

@@ -212,7 +212,7 @@ def main() -> None:
         "gflop_per_token": flops / 1e9,
         "loss_first_last": [losses[0].item(), losses[-1].item()],  # a broken run shows here, not in the speed
     }
-    rows_vs_mean = expert_rows_vs_mean(loads[args.warmup:])
+    rows_vs_mean = expert_rows_vs_mean(loads[args.warmup:args.warmup + args.steps])  # the timed steps
     if rows_vs_mean is not None:
         result["expert_rows_vs_mean_min_max"] = rows_vs_mean
     if cfg.parallel.ep > 1:  # the share of routed token copies each EP rank received, extremes over layers and steps
