@@ -1,9 +1,9 @@
 """Triton kernels that quantize the routed experts' operands for their FP8 grouped GEMMs
 (`quant.fp8_rowwise_grouped_mm`, `quant.fp8_blockwise_grouped_mm`) where inductor cannot: the weights along each
-axis or in blocks, and the weight gradient's token rows along the tokens of each expert's group. (The token rows
-along the features are plain torch ops, fused by inductor into the kernels that make them.) Scales are powers of
-two, 2^⌊log2(448 / amax)⌋, as `quant.to_fp8_rowwise`'s and torchao's, and the rowwise results are theirs bit for
-bit.
+axis or in blocks, the token rows in 1×128 tiles, and the weight gradient's token rows along the tokens of each
+expert's group. (The token rows' whole-row scales are plain torch ops, fused by inductor into the kernels that make
+them.) Scales are powers of two, 2^⌊log2(448 / amax)⌋, as `quant.to_fp8_rowwise`'s and torchao's, and the rowwise
+results are theirs bit for bit.
 
 Weights: the forward GEMM needs each expert's W [M, K] (K contiguous) scaled along K, one scale per row; the input
 gradient's GEMM needs Wᵀ scaled along M, one scale per column, stored transposed. torchao 0.18's kernels read W
@@ -13,6 +13,10 @@ each column's amax over the rows it saw; the backward kernel casts Wᵀ with tho
 
 Blocks (`quant.fp8_blockwise_grouped_mm`): one power-of-two scale per 128×128 block of each expert's weight, which
 does not change when the block is read transposed, so one kernel reads W once and writes both W and Wᵀ in e4m3.
+
+Tiles (`quant.fp8_blockwise_grouped_mm`): one scale per 1×128 tile of a token row, read once. As plain torch ops
+inductor split them into an amax kernel and a cast kernel, some of them below half the bandwidth; the rows are
+written in bf16 anyway (the weight gradient reads them), so a kernel of its own costs one read of them.
 
 Token groups: the weight gradient grad_outᵀ · x takes both operands scaled per column within each expert's group
 and stored column-major. One program per group and block of 32 columns makes an amax pass over the group's rows,
@@ -27,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+TILE_ROWS = 32  # rows of a program of the 1×128 tile kernel
 ROWS_PER_PROGRAM = 128  # rows of one expert per program of the forward kernel: its column amaxes are [E, M / 128, K]
 
 
@@ -133,11 +138,13 @@ def _fp8_weight_blocks_kernel(w_ptr, out_ptr, out_t_ptr, inv_scales_ptr, M, K, B
     rows = block_row * BLOCK + tl.arange(0, BLOCK)
     cols = block_col * BLOCK + tl.arange(0, BLOCK)
     base = expert.to(tl.int64) * M * K
-    w = tl.load(w_ptr + base + rows[:, None] * K + cols[None, :]).to(tl.float32)
-    scale = _pow2_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0))
-    w_fp8 = tl.clamp(w * scale, -448.0, 448.0).to(tl.float8e4nv)
-    tl.store(out_ptr + base + rows[:, None] * K + cols[None, :], w_fp8)
-    tl.store(out_t_ptr + base + cols[:, None] * M + rows[None, :], tl.trans(w_fp8))
+    w = tl.load(w_ptr + base + rows[:, None] * K + cols[None, :])
+    scale = _pow2_scale(tl.max(tl.max(tl.abs(w.to(tl.float32)), axis=1), axis=0))
+    tl.store(out_ptr + base + rows[:, None] * K + cols[None, :],
+             tl.clamp(w.to(tl.float32) * scale, -448.0, 448.0).to(tl.float8e4nv))
+    # transposed in bf16, then cast: transposing the e4m3 block was 1.3x slower (H200)
+    tl.store(out_t_ptr + base + cols[:, None] * M + rows[None, :],
+             tl.clamp(tl.trans(w).to(tl.float32) * scale, -448.0, 448.0).to(tl.float8e4nv))
     tl.store(inv_scales_ptr + (expert * (M // BLOCK) + block_row) * (K // BLOCK) + block_col, 1.0 / scale)
 
 
@@ -151,7 +158,7 @@ def fp8_weight_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     out_t = torch.empty(n_experts, k, m, dtype=torch.float8_e4m3fn, device=w.device)
     inv_scales = torch.empty(n_experts, m // 128, k // 128, dtype=torch.float32, device=w.device)
     _fp8_weight_blocks_kernel[(n_experts, m // 128, k // 128)](w, out, out_t, inv_scales, m, k, BLOCK=128,
-                                                                num_warps=8)
+                                                                num_warps=4)
     return out, out_t, inv_scales
 
 
@@ -161,6 +168,40 @@ def _(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device),
             torch.empty(n_experts, k, m, dtype=torch.float8_e4m3fn, device=w.device),
             w.new_empty(n_experts, m // 128, k // 128, dtype=torch.float32))
+
+
+@triton.jit
+def _fp8_tiles_kernel(x_ptr, out_ptr, inv_scales_ptr, N, K, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    tile = tl.program_id(1)
+    cols = tile * BLOCK + tl.arange(0, BLOCK)
+    row_mask = rows < N
+    offsets = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    x = tl.load(x_ptr + offsets, mask=row_mask[:, None], other=0.0).to(tl.float32)
+    scales = _pow2_scale(tl.max(tl.abs(x), axis=1))
+    x_fp8 = tl.clamp(x * scales[:, None], -448.0, 448.0).to(tl.float8e4nv)
+    tl.store(out_ptr + offsets, x_fp8, mask=row_mask[:, None])
+    tl.store(inv_scales_ptr + tile * N + rows, 1.0 / scales, mask=row_mask)
+
+
+@torch.library.custom_op("dsv3::fp8_tiles", mutates_args=())
+def fp8_tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, K] contiguous, K a multiple of 128 → (e4m3 [N, K], inverse scales [N, K/128] fp32): one power-of-two
+    scale per 1×128 tile of a row (DeepSeek-V3 §3.3.2), in one read. The inverse scales are stored column-major,
+    the layout DeepGEMM reads (it would otherwise transpose them)."""
+    n, k = x.shape
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    inv_scales = torch.empty(k // 128, n, dtype=torch.float32, device=x.device)
+    _fp8_tiles_kernel[(triton.cdiv(n, TILE_ROWS), k // 128)](x, out, inv_scales, n, k, ROWS=TILE_ROWS, BLOCK=128,
+                                                            num_warps=4)
+    return out, inv_scales.t()
+
+
+@fp8_tiles.register_fake
+def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = x.shape
+    return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
+            x.new_empty(k // 128, n, dtype=torch.float32).t())
 
 
 @triton.jit

@@ -302,17 +302,6 @@ def _fp8_rowwise_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, offsets: t
                                     offsets, out_dtype=grad_out.dtype, use_fast_accum=True)
 
 
-def to_fp8_tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, K] → (e4m3 [N, K], inverse scales [N, K/128] fp32): one power-of-two scale per 1×128 tile of a row
-    (DeepSeek-V3 §3.3.2). Plain torch ops, for inductor to fuse into the kernel that makes x (in the 671B-width
-    step it made an amax kernel and a cast kernel of them: README, "Precision")."""
-    n, k = x.shape
-    tiles = x.float().view(n, k // BLOCK, BLOCK)
-    scales = _pow2_scales(tiles.abs().amax(dim=-1))
-    data = (tiles * scales[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(n, k)
-    return data, scales.reciprocal()
-
-
 def group_of_row(offsets: torch.Tensor, n_rows: int) -> torch.Tensor:
     """Each row's group (the expert whose weights it meets) from the groups' ends, −1 past the last group: the
     per-row layout of DeepGEMM's contiguous grouped GEMM, which skips the −1 rows' 128-row blocks."""
@@ -346,16 +335,16 @@ def fp8_blockwise_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Te
 
 class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
     """out = x·w per group. The forward and the input gradient take DeepSeek-V3's scales (§3.3.2: 1×128 tiles of
-    the token rows, 128×128 blocks of the weights) through DeepGEMM's grouped GEMM; the weight gradient, whose
-    inner dimension is each group's tokens, takes `_Fp8RowwiseGroupedMM`'s per-group column scales: torch's
-    grouped GEMM ran it faster than DeepGEMM's k-grouped one, which writes fp32."""
+    the token rows, 128×128 blocks of the weights: dsv3.fp8_kernels) through DeepGEMM's grouped GEMM; the weight
+    gradient, whose inner dimension is each group's tokens, takes `_Fp8RowwiseGroupedMM`'s per-group column scales:
+    torch's grouped GEMM ran it faster than DeepGEMM's k-grouped one, which writes fp32."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         # x [N, K] row-major; w [E, K, M], each expert's matrix column-major (a transposed view of [E, M, K])
-        from dsv3.fp8_kernels import fp8_weight_blocks
+        from dsv3.fp8_kernels import fp8_tiles, fp8_weight_blocks
 
-        x_fp8, x_inv_scales = to_fp8_tiles(x)
+        x_fp8, x_inv_scales = fp8_tiles(x)
         w_fp8, wt_fp8, w_inv_scales = fp8_weight_blocks(w.transpose(-2, -1).contiguous())  # [E, M, K]: w's memory
         groups = group_of_row(offsets, x.size(0))
         ctx.save_for_backward(x, wt_fp8, w_inv_scales, offsets, groups)
@@ -365,9 +354,11 @@ class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
+        from dsv3.fp8_kernels import fp8_tiles
+
         x, wt_fp8, w_inv_scales, offsets, groups = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        g_fp8, g_inv_scales = to_fp8_tiles(grad_out)
+        g_fp8, g_inv_scales = fp8_tiles(grad_out)
         grad_x = fp8_block_grouped_mm(g_fp8, g_inv_scales, wt_fp8, w_inv_scales.transpose(-2, -1).contiguous(),
                                       groups)
         return grad_x, _fp8_rowwise_weight_grad(grad_out, x, offsets).transpose(-2, -1), None
