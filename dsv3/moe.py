@@ -120,8 +120,8 @@ def pad_order(order: torch.Tensor, expert_of_row: torch.Tensor, counts: torch.Te
     dispatchers whose N changes every step: kernels specialised or autotuned per row count then see few of them.
     The rows after the last group (on average half the E·align rows kept for padding) belong to no expert: the
     grouped GEMMs skip them, leaving their outputs and gradients unwritten, and nothing reads those (the combine
-    and the gather's backward take only rows that hold a slot). Given to the last expert, they had been computed:
-    3% more expert rows at 32 experts and align 128.
+    and the gather's backward take only rows that hold a slot). Given to the last expert, they would be computed:
+    about 3% more expert rows at 32 experts and align 128. (torchtitan's padded permutation ends its groups so too.)
     Returns (the padded order [M], −1 at padding rows; padded counts [E], summing to M or less).
     """
     n_experts = counts.numel()
