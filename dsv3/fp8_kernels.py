@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv3.quant import BLOCK
+
 TILE_ROWS = 32  # rows of a program of the 1×128 tile kernel
 ROWS_PER_PROGRAM = 128  # rows of one expert per program of the forward kernel: its column amaxes are [E, M / 128, K]
 
@@ -156,9 +158,9 @@ def fp8_weight_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     n_experts, m, k = w.shape
     out = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
     out_t = torch.empty(n_experts, k, m, dtype=torch.float8_e4m3fn, device=w.device)
-    inv_scales = torch.empty(n_experts, m // 128, k // 128, dtype=torch.float32, device=w.device)
-    _fp8_weight_blocks_kernel[(n_experts, m // 128, k // 128)](w, out, out_t, inv_scales, m, k, BLOCK=128,
-                                                                num_warps=4)
+    inv_scales = torch.empty(n_experts, m // BLOCK, k // BLOCK, dtype=torch.float32, device=w.device)
+    _fp8_weight_blocks_kernel[(n_experts, m // BLOCK, k // BLOCK)](w, out, out_t, inv_scales, m, k, BLOCK=BLOCK,
+                                                                    num_warps=4)
     return out, out_t, inv_scales
 
 
@@ -167,7 +169,7 @@ def _(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n_experts, m, k = w.shape
     return (torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device),
             torch.empty(n_experts, k, m, dtype=torch.float8_e4m3fn, device=w.device),
-            w.new_empty(n_experts, m // 128, k // 128, dtype=torch.float32))
+            w.new_empty(n_experts, m // BLOCK, k // BLOCK, dtype=torch.float32))
 
 
 @triton.jit
@@ -191,9 +193,9 @@ def fp8_tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     the layout DeepGEMM reads (it would otherwise transpose them)."""
     n, k = x.shape
     out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    inv_scales = torch.empty(k // 128, n, dtype=torch.float32, device=x.device)
-    _fp8_tiles_kernel[(triton.cdiv(n, TILE_ROWS), k // 128)](x, out, inv_scales, n, k, ROWS=TILE_ROWS, BLOCK=128,
-                                                            num_warps=4)
+    inv_scales = torch.empty(k // BLOCK, n, dtype=torch.float32, device=x.device)
+    _fp8_tiles_kernel[(triton.cdiv(n, TILE_ROWS), k // BLOCK)](x, out, inv_scales, n, k, ROWS=TILE_ROWS,
+                                                              BLOCK=BLOCK, num_warps=4)
     return out, inv_scales.t()
 
 
@@ -201,7 +203,7 @@ def fp8_tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = x.shape
     return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
-            x.new_empty(k // 128, n, dtype=torch.float32).t())
+            x.new_empty(k // BLOCK, n, dtype=torch.float32).t())
 
 
 @triton.jit

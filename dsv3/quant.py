@@ -244,14 +244,10 @@ def to_fp8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] → (e4m3 [M, K], scales [M] fp32) with x ≈ e4m3 / scale row by row; each scale is the power of two at
     or below 448 / amax(row), as torchao's. Plain torch ops, so that inside a compiled block inductor fuses the
     row reduction and the cast into one kernel, and into the op that made x (SwiGLU, silu's backward)."""
-    scales = _pow2_scales(x.abs().amax(dim=-1).float())
+    amax = x.abs().amax(dim=-1).float().clamp(min=1e-12)
+    scales = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
     data = (x.float() * scales[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return data, scales
-
-
-def _pow2_scales(amax: torch.Tensor) -> torch.Tensor:
-    """The power of two at or below 448 / amax: multiplying by it fills e4m3's range and is exact to undo."""
-    return torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax.clamp(min=1e-12))))
 
 
 def fp8_rowwise_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
