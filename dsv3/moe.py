@@ -170,14 +170,15 @@ def _sum_rows_of_slots(rows: torch.Tensor, row_of_slot: torch.Tensor,
     kernel under inductor, where a sum over a [T, K, D] gather is a reduction over K that it tiles into blocks of a
     few dozen outputs. An empty slot reads row 0 and is then deselected, not multiplied by 0: a non-finite row 0
     stays its own token's."""
-    valid = row_of_slot >= 0
-    row = row_of_slot.clamp(min=0)
+    # the K columns by unbind, not range(row_of_slot.size(1)): traced inside a checkpoint, torch 2.11's dynamo
+    # returns every intermediate of an autograd.Function's forward, and fails (AssertionError) on that size
+    weights = slot_weights.unbind(1) if slot_weights is not None else [None] * row_of_slot.size(1)
     total = 0
-    for k in range(row.size(1)):
-        term = rows[row[:, k]].to(_at_least_fp32(rows.dtype))
-        if slot_weights is not None:
-            term = term * slot_weights[:, k, None]
-        total = total + torch.where(valid[:, k, None], term, 0.0)
+    for row, weight in zip(row_of_slot.unbind(1), weights):
+        term = rows[row.clamp(min=0)].to(_at_least_fp32(rows.dtype))
+        if weight is not None:
+            term = term * weight[:, None]
+        total = total + torch.where((row >= 0)[:, None], term, 0.0)
     return total.to(rows.dtype)
 
 

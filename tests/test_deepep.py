@@ -297,6 +297,10 @@ GPU_CASES = {
     # rounding (3 mantissa bits) amplifies the backends' bf16 differences: 6.5e-2 on 2 H200s; a misplaced row is O(1)
     "16B-cut-compiled-fp8-experts": dict(flavor="16B", model={"n_layers": 2}, seq_len=1024, local_batch=2,
                                          compile=True, precision="fp8", expert_precision="low", grad_tol=0.15),
+    # DeepGEMM's 1x128 / 128x128 blockwise expert GEMMs behind both dispatchers (groups padded to 128 rows)
+    "16B-cut-compiled-fp8-blockwise-experts": dict(flavor="16B", model={"n_layers": 2}, seq_len=1024, local_batch=2,
+                                                   compile=True, precision="fp8",
+                                                   expert_precision="fp8-blockwise", grad_tol=0.15),
 }
 STEPS = 3
 
@@ -353,6 +357,8 @@ def _gpu_worker(rank: int, world: int, port: int, case: str, out_path: str) -> N
                     or importlib.util.find_spec("deep_ep") is None, reason="needs 2 GPUs and deep_ep")
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_deepep_matches_all_to_all_on_gpus(case, tmp_path):
+    if GPU_CASES[case].get("expert_precision") == "fp8-blockwise" and importlib.util.find_spec("deep_gemm") is None:
+        pytest.skip("needs deep_gemm (scripts/install_deepgemm.sh)")
     out = tmp_path / "rank0.pt"
     mp.spawn(_gpu_worker, args=(2, free_port(), case, str(out)), nprocs=2)
     got = torch.load(out)
