@@ -173,6 +173,15 @@ def test_fp8_recipes_configure_torchao_and_keep_the_weight_parameters():
 
 # ------------------------------------------------------------------------------------------- numerics
 
+def _cpu_scaled_mm_takes_row_scales() -> bool:
+    a = torch.ones(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
 # MXFP8 and fp8 store e4m3: 3 mantissa bits, so each element is rounded by up to 2^-4 relative; one GEMM then
 # differs from bf16 by ~0.04 relative (measured, dsv3/notes), SwiGLU experts (two GEMMs) by ~0.065. The logits
 # differ less (measured 0.020-0.023 over seeds 0-3 and all three modes) because the residual stream carries the
@@ -184,6 +193,8 @@ def test_fp8_recipes_configure_torchao_and_keep_the_weight_parameters():
     ("mxfp8-emulated", "bf16", "rowwise"), ("mxfp8-emulated", "low", "rowwise"),
     ("fp8", "bf16", "rowwise"), ("fp8", "bf16", "tensorwise")])
 def test_low_precision_model_stays_close_to_bf16(precision, expert_precision, recipe):
+    if precision == "fp8" and recipe == "rowwise" and not _cpu_scaled_mm_takes_row_scales():
+        pytest.skip("this torch's CPU _scaled_mm takes per-tensor scales only (torch 2.11; 2.13 takes row scales)")
     torch.manual_seed(0)
     reference = Transformer(CFG).to(torch.bfloat16)  # MXFP8 emulation quantizes from bf16
     model = copy.deepcopy(reference)
