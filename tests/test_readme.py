@@ -34,6 +34,7 @@ ELSEWHERE = [
     ("python scripts/convert_hf.py --to-hf runs/v3-continued/", "a 671B run's export (tests/test_continue_pretraining.py "
                                                                "runs the same commands on a tiny model)"),
     ("python scripts/bench.py", "a GPU benchmark: its config and overrides are checked"),
+    ("torchrun --nproc_per_node=2 scripts/bench.py", "a benchmark on 2 GPUs: its config, overrides and EP are checked"),
     ("python scripts/bench_fp8.py", "a GPU benchmark: its config and overrides are checked"),
     ("python scripts/bench_prepare.py", "minutes of 16 cores (tests/test_prepare.py checks the same paths)"),
     ("torchrun --nproc_per_node=2 scripts/bench_exchange.py", "2 GPUs"),
@@ -105,6 +106,9 @@ def test_every_plan_and_bench_command_plans_or_loads(capsys):
             assert "tokens/s per GPU" in capsys.readouterr().out, command
         elif command.startswith(("python scripts/bench.py", "python scripts/bench_fp8.py")):
             config_of(words[2:])
+        elif command.startswith("torchrun --nproc_per_node=2 scripts/bench.py"):
+            cfg = config_of(words[3:])
+            parallel.check_ep(cfg.parallel.ep, 2, cfg.model_config().n_routed_experts)
 
 
 def test_the_cpu_commands_run_as_written_in_order(data, tmp_path, monkeypatch):
