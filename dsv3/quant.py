@@ -288,12 +288,15 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
         return grad_x, _fp8_rowwise_weight_grad(grad_out, x, offsets).transpose(-2, -1), None
 
 
-def _fp8_rowwise_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """grad_w [E, M, K] = grad_outᵀ · x per group, both quantized along the tokens, within each expert's group."""
+def _fp8_rowwise_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
+                             grad_out_amax: torch.Tensor | None = None,
+                             x_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """grad_w [E, M, K] = grad_outᵀ · x per group, both quantized along the tokens, within each expert's group
+    (`*_amax`: the operand's column amaxes per 128-row block, from `fp8_tiles`)."""
     from dsv3.fp8_kernels import fp8_group_cols
 
-    g_cols, g_col_scales = fp8_group_cols(grad_out, offsets)
-    x_cols, x_col_scales = fp8_group_cols(x, offsets)
+    g_cols, g_col_scales = fp8_group_cols(grad_out, offsets, grad_out_amax)
+    x_cols, x_col_scales = fp8_group_cols(x, offsets, x_amax)
     return torch._scaled_grouped_mm(g_cols.t(), x_cols, g_col_scales.reciprocal(), x_col_scales.reciprocal(),
                                     offsets, out_dtype=grad_out.dtype, use_fast_accum=True)
 
@@ -333,17 +336,19 @@ class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
     """out = x·w per group. The forward and the input gradient take DeepSeek-V3's scales (§3.3.2: 1×128 tiles of
     the token rows, 128×128 blocks of the weights: dsv3.fp8_kernels) through DeepGEMM's grouped GEMM; the weight
     gradient, whose inner dimension is each group's tokens, takes `_Fp8RowwiseGroupedMM`'s per-group column scales:
-    torch's grouped GEMM ran it faster than DeepGEMM's k-grouped one, which writes fp32."""
+    torch's grouped GEMM ran it faster than DeepGEMM's k-grouped one, which writes fp32. Those scales come from the
+    column amaxes that the tiles' kernel records while it reads each operand (its groups start at multiples of 128
+    rows, the tiles' blocks), so the weight gradient's quantization reads each operand once."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         # x [N, K] row-major; w [E, K, M], each expert's matrix column-major (a transposed view of [E, M, K])
         from dsv3.fp8_kernels import fp8_tiles, fp8_weight_blocks
 
-        x_fp8, x_inv_scales = fp8_tiles(x)
+        x_fp8, x_inv_scales, x_amax = fp8_tiles(x)
         w_fp8, wt_fp8, w_inv_scales = fp8_weight_blocks(w.transpose(-2, -1).contiguous())  # [E, M, K]: w's memory
         groups = group_of_row(offsets, x.size(0))
-        ctx.save_for_backward(x, wt_fp8, w_inv_scales, offsets, groups)
+        ctx.save_for_backward(x, x_amax, wt_fp8, w_inv_scales, offsets, groups)
         # DeepGEMM's output itself: returning an alias of it (`.to` of its own dtype) lost the gradient under
         # torch.compile (torch 2.11)
         return fp8_block_grouped_mm(x_fp8, x_inv_scales, w_fp8, w_inv_scales, groups)
@@ -352,12 +357,12 @@ class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         from dsv3.fp8_kernels import fp8_tiles
 
-        x, wt_fp8, w_inv_scales, offsets, groups = ctx.saved_tensors
+        x, x_amax, wt_fp8, w_inv_scales, offsets, groups = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        g_fp8, g_inv_scales = fp8_tiles(grad_out)
+        g_fp8, g_inv_scales, g_amax = fp8_tiles(grad_out)
         grad_x = fp8_block_grouped_mm(g_fp8, g_inv_scales, wt_fp8, w_inv_scales.transpose(-2, -1).contiguous(),
                                       groups)
-        return grad_x, _fp8_rowwise_weight_grad(grad_out, x, offsets).transpose(-2, -1), None
+        return grad_x, _fp8_rowwise_weight_grad(grad_out, x, offsets, g_amax, x_amax).transpose(-2, -1), None
 
 
 def mxfp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, emulated: bool) -> torch.Tensor:

@@ -618,17 +618,19 @@ def test_fp8_tiles_scale_each_1x128_tile_by_a_power_of_two_that_fills_e4m3():
     from dsv3.fp8_kernels import fp8_tiles
 
     torch.manual_seed(0)
-    # 70 rows: the last of 3 programs of 32 rows is part-filled
-    x = (torch.randn(70, 384, device="cuda") * torch.logspace(-3, 3, 384, device="cuda")).bfloat16()
+    # 326 rows: the last of 3 programs of 128 rows is part-filled, its last step of 32 rows too
+    x = (torch.randn(326, 384, device="cuda") * torch.logspace(-3, 3, 384, device="cuda")).bfloat16()
     x[3, 128:256] = 0  # an all-zero tile
-    data, inv_scales = fp8_tiles(x)
-    assert data.dtype == torch.float8_e4m3fn and inv_scales.shape == (70, 3) and inv_scales.stride() == (1, 70)
-    tiles = x.float().view(70, 3, 128)
+    data, inv_scales, block_amax = fp8_tiles(x)
+    assert data.dtype == torch.float8_e4m3fn and inv_scales.shape == (326, 3) and inv_scales.stride() == (1, 326)
+    tiles = x.float().view(326, 3, 128)
     scales = torch.exp2(torch.floor(torch.log2(448 / tiles.abs().amax(-1).clamp(min=1e-12))))
     assert torch.equal(inv_scales, 1 / scales)
-    expected = (tiles * scales[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(70, 384)
+    expected = (tiles * scales[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(326, 384)
     assert torch.equal(data.view(torch.uint8), expected.view(torch.uint8))
     assert (data[3, 128:256].float() == 0).all()
+    blocks = torch.nn.functional.pad(x.float().abs(), (0, 0, 0, 384 - 326)).view(3, 128, 384)
+    assert torch.equal(block_amax, blocks.amax(1))  # each column's amax over each block of 128 rows
 
 
 @pytest.mark.gpu
@@ -748,6 +750,26 @@ def test_fp8_group_kernel_quantizes_each_groups_columns_as_to_fp8_rowwise():
             expected_data, expected_scales = quant.to_fp8_rowwise(x[rows].t())
             assert torch.equal(data[rows].t().contiguous().view(torch.uint8), expected_data.view(torch.uint8))
             assert torch.equal(scales[group * 200:(group + 1) * 200], expected_scales)
+
+
+@pytest.mark.gpu
+def test_fp8_group_kernel_takes_its_scales_from_the_tiles_column_amaxes():
+    """Blockwise experts: groups of whole 128-row blocks, each column's amax per block recorded by `fp8_tiles`; the
+    group kernel's scales and data from those are bit for bit its own amax pass's. Rows past the last group (junk
+    under DeepGEMM, here NaN) reach no scale."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability >= 8.9")
+    from dsv3.fp8_kernels import fp8_group_cols, fp8_tiles
+
+    torch.manual_seed(0)
+    sizes = [256, 128, 640, 128]
+    x = (torch.randn(sum(sizes) + 128, 256, device="cuda") * torch.logspace(-4, 4, 256, device="cuda")).bfloat16()
+    x[-128:] = float("nan")
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    real = int(offsets[-1])
+    (data, scales), (data_own, scales_own) = fp8_group_cols(x, offsets, fp8_tiles(x)[2]), fp8_group_cols(x, offsets)
+    assert torch.isfinite(scales).all() and torch.equal(scales, scales_own)
+    assert torch.equal(data[:real].view(torch.uint8), data_own[:real].view(torch.uint8))
 
 
 @pytest.mark.gpu
