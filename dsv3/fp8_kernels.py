@@ -200,12 +200,16 @@ def _fp8_tiles_kernel(x_ptr, out_ptr, inv_scales_ptr, block_amax_ptr, N, K, ROWS
     tl.store(block_amax_ptr + block_row.to(tl.int64) * K + cols, tl.max(col_amax, axis=0))
 
 
-@torch.library.custom_op("dsv3::fp8_tiles", mutates_args=())
+# `flexible_layout`: inductor hands the op the buffer that made x. Under its default (exact strides), the gathered
+# token rows, read by this op and saved for `fp8_group_cols` in the backward, were written twice by the gather
+# (torch 2.11). The ops make x contiguous themselves, a no-op for the row-major buffers inductor makes.
+@torch.library.custom_op("dsv3::fp8_tiles", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def fp8_tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [N, K] contiguous, K a multiple of 128 → (e4m3 [N, K], inverse scales [N, K/128] fp32, column amaxes
     [⌈N/128⌉, K] fp32): one power-of-two scale per 1×128 tile of a row (DeepSeek-V3 §3.3.2), in one read. The inverse
     scales are stored column-major, the layout DeepGEMM reads (it would otherwise transpose them). The column amaxes,
     each column's over each block of 128 rows, spare `fp8_group_cols` its own pass over the rows of x."""
+    x = x.contiguous()
     n, k = x.shape
     out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     inv_scales = torch.empty(k // BLOCK, n, dtype=torch.float32, device=x.device)
@@ -252,13 +256,14 @@ def _fp8_group_cols_kernel(x_ptr, offsets_ptr, block_amax_ptr, out_ptr, scales_p
         tl.store(out_ptr + cols.to(tl.int64)[None, :] * N + rows[:, None], x_fp8, mask=mask)
 
 
-@torch.library.custom_op("dsv3::fp8_group_cols", mutates_args=())
+@torch.library.custom_op("dsv3::fp8_group_cols", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def fp8_group_cols(x: torch.Tensor, offsets: torch.Tensor,
                    block_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, F] row-major, its rows in groups ending at `offsets` [G] → (e4m3 [N, F] column-major, scales [G·F]):
     each group's column c ≈ e4m3 / scales[g·F + c], the layouts `torch._scaled_grouped_mm` takes for a weight
     gradient. With `block_amax` (`fp8_tiles`' column amaxes of x; every group then starts and ends at a multiple of
     128 rows), the scales come from those, and x is read once instead of twice."""
+    x = x.contiguous()
     n, f = x.shape
     block_f = 32
     out = torch.empty_strided((n, f), (1, n), dtype=torch.float8_e4m3fn, device=x.device)
