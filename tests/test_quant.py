@@ -618,7 +618,7 @@ def test_fp8_tiles_scale_each_1x128_tile_by_a_power_of_two_that_fills_e4m3():
     from dsv3.fp8_kernels import fp8_tiles
 
     torch.manual_seed(0)
-    # 326 rows: the last of 3 programs of 128 rows is part-filled, its last step of 32 rows too
+    # 326 rows: the last of 3 programs of 128 rows is part-filled, its last step of TILE_ROWS too
     x = (torch.randn(326, 384, device="cuda") * torch.logspace(-3, 3, 384, device="cuda")).bfloat16()
     x[3, 128:256] = 0  # an all-zero tile
     data, inv_scales, block_amax = fp8_tiles(x)
