@@ -223,7 +223,8 @@ def fp8_tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, k = x.shape
     return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
-            x.new_empty(k // BLOCK, n, dtype=torch.float32).t(), x.new_empty(triton.cdiv(n, BLOCK), k, dtype=torch.float32))
+            x.new_empty(k // BLOCK, n, dtype=torch.float32).t(),
+            x.new_empty(triton.cdiv(n, BLOCK), k, dtype=torch.float32))
 
 
 @triton.jit

@@ -183,7 +183,7 @@ def _cpu_scaled_mm_takes_row_scales() -> bool:
 
 
 # MXFP8 and fp8 store e4m3: 3 mantissa bits, so each element is rounded by up to 2^-4 relative; one GEMM then
-# differs from bf16 by ~0.04 relative (measured, dsv3/notes), SwiGLU experts (two GEMMs) by ~0.065. The logits
+# differs from bf16 by ~0.04 relative (measured), SwiGLU experts (two GEMMs) by ~0.065. The logits
 # differ less (measured 0.020-0.023 over seeds 0-3 and all three modes) because the residual stream carries the
 # unquantized embedding: bound 0.05. Gradients: over all parameters together the cosine similarity measured
 # 0.9997-1.0000, so > 0.999; per parameter the router gate's is the lowest (0.964-0.99, as a few tokens' top-k
