@@ -13,6 +13,9 @@ each column's amax over the rows it saw; the backward kernel casts Wᵀ with tho
 
 Blocks (`quant.fp8_blockwise_grouped_mm`): one power-of-two scale per 128×128 block of each expert's weight, which
 does not change when the block is read transposed, so one kernel reads W once and writes both W and Wᵀ in e4m3.
+At one GPU the optimizer writes those blocks itself (`adamw_weight_blocks`): the AdamW update of each 128×128
+block, then its e4m3 cast in both layouts, in place of a bf16 copy of the weights that the next forward would read
+back and quantize.
 
 Tiles (`quant.fp8_blockwise_grouped_mm`): one scale per 1×128 tile of a token row, read once. As plain torch ops
 inductor split them into an amax kernel and a cast kernel, some of them below half the bandwidth; the rows are
@@ -38,6 +41,7 @@ from dsv3.quant import BLOCK
 
 TILE_ROWS = 16  # rows of one step of the 1×128 tile kernel, whose programs take BLOCK rows
 ROWS_PER_PROGRAM = 128  # rows of one expert per program of the forward kernel: its column amaxes are [E, M / 128, K]
+ADAMW_ROWS, ADAMW_WARPS = 16, 16  # rows of one step of the blockwise AdamW's update, and its warps (of 21, H200)
 
 
 @triton.jit
@@ -178,6 +182,91 @@ def _(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device),
             torch.empty(n_experts, k, m, dtype=torch.float8_e4m3fn, device=w.device),
             w.new_empty(n_experts, m // BLOCK, k // BLOCK, dtype=torch.float32))
+
+
+@triton.jit
+def _mix32(x):
+    """`dsv3.optim._mix32` on int32: murmur3's finaliser, wrapping arithmetic, logical shifts by masking."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * -2048144789
+    x = x ^ ((x >> 13) & 0x7FFFF)
+    x = x * -1028477387
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+@triton.jit
+def _round_to_bf16_stochastically(x, noise):
+    """`dsv3.optim.round_to_bf16_stochastically`: noise in [0, 2¹⁶) added to the fp32 bits, the low 16 cleared."""
+    return ((x.to(tl.int32, bitcast=True) + noise) & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def _adamw_weight_blocks_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, out_t_ptr, inv_scales_ptr,
+                                step_size_ptr, decay_ptr, bias_correction2_sqrt_ptr, grad_scale_ptr, seed_ptr, salt_ptr,
+                                beta1_complement, beta2, beta2_complement, eps, M, K,
+                                ROWS: tl.constexpr, BLOCK: tl.constexpr, BF16_MOMENTS: tl.constexpr):
+    block_col = tl.program_id(0)  # the fastest axis: programs side by side share rows of memory
+    block_row = tl.program_id(1)
+    expert = tl.program_id(2)
+    step_size = tl.load(step_size_ptr)
+    decay = tl.load(decay_ptr)
+    bias_correction2_sqrt = tl.load(bias_correction2_sqrt_ptr)
+    grad_scale = tl.load(grad_scale_ptr)
+    seed = tl.load(seed_ptr) + tl.load(salt_ptr)
+    cols = block_col * BLOCK + tl.arange(0, BLOCK)
+    base = expert.to(tl.int64) * M * K  # the expert's first element; offsets within an expert fit in int32
+    param_ptr += base
+    grad_ptr += base
+    exp_avg_ptr += base
+    exp_avg_sq_ptr += base
+    # `random_bits`' hash input, (index · stride + seed) mod 2³², in int32's wrapping arithmetic
+    hash_base = base.to(tl.int32) * -1640531535 + seed.to(tl.int32)
+    amax = tl.zeros([ROWS, BLOCK], tl.float32)  # reduced over its rows once, at the end, as the tiles' kernel does
+    # The update rounds where eager CUDA's `adamw_update` does (launched without fp fusion; its fmas are explicit):
+    # lerp is fma(w, end − start, start), addcmul fma(value, t1·t2, self).
+    for part in tl.range(0, BLOCK // ROWS):
+        rows = block_row * BLOCK + part * ROWS + tl.arange(0, ROWS)
+        index = rows[:, None] * K + cols[None, :]
+        g = tl.load(grad_ptr + index).to(tl.float32) * grad_scale
+        m = tl.load(exp_avg_ptr + index).to(tl.float32)
+        m = tl.fma(beta1_complement, g - m, m)
+        v = tl.fma(beta2_complement, g * g, tl.load(exp_avg_sq_ptr + index).to(tl.float32) * beta2)
+        p = tl.load(param_ptr + index) * decay
+        p = p - tl.div_rn(step_size * m, tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps)
+        tl.store(param_ptr + index, p)
+        amax = tl.maximum(amax, tl.abs(p.to(tl.bfloat16).to(tl.float32)))
+        if BF16_MOMENTS:
+            bits = _mix32(index * -1640531535 + hash_base)  # one hash for both moments
+            tl.store(exp_avg_ptr + index, _round_to_bf16_stochastically(m, bits & 0xFFFF))
+            tl.store(exp_avg_sq_ptr + index, _round_to_bf16_stochastically(v, (bits >> 16) & 0xFFFF))
+        else:
+            tl.store(exp_avg_ptr + index, m)
+            tl.store(exp_avg_sq_ptr + index, v)
+    scale = _pow2_scale(tl.max(tl.max(amax, axis=1), axis=0))
+    # The block's new weights again, from L2, whole, cast as `fp8_weight_blocks`' are: Wᵀ's rows are then written in
+    # whole 128-byte lines (in 16-row steps, 16-byte pieces of them, the kernel had run 1.3x slower)
+    rows = block_row * BLOCK + tl.arange(0, BLOCK)
+    w = tl.load(param_ptr + rows[:, None] * K + cols[None, :]).to(tl.bfloat16)
+    tl.store(out_ptr + base + rows[:, None] * K + cols[None, :], _to_e4m3(w, scale))
+    tl.store(out_t_ptr + base + cols[:, None] * M + rows[None, :], _to_e4m3(tl.trans(w), scale))
+    tl.store(inv_scales_ptr + (expert * (M // BLOCK) + block_row) * (K // BLOCK) + block_col, 1.0 / scale)
+
+
+def adamw_weight_blocks(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                        blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step_size: torch.Tensor,
+                        decay: torch.Tensor, beta1: float, beta2: float, eps: float,
+                        bias_correction2_sqrt: torch.Tensor, grad_scale: torch.Tensor, seed: torch.Tensor,
+                        salt: torch.Tensor) -> None:
+    """`dsv3.optim.adamw_update` (same arguments, bits of eager CUDA's) of an expert stack `param` [E, M, K] fp32,
+    M and K multiples of 128, in place, that writes, instead of a bf16 compute copy, what `fp8_weight_blocks` makes of
+    that copy into `blocks`: (e4m3 [E, M, K], e4m3 [E, K, M], inverse scales [E, M/128, K/128]). Each 128×128 block
+    is quantized while the update holds it, where the copy was written in bf16 and read back by the next forward."""
+    n_experts, m, k = param.shape
+    out, out_t, inv_scales = blocks
+    _adamw_weight_blocks_kernel[(k // BLOCK, m // BLOCK, n_experts)](
+        param, grad, exp_avg, exp_avg_sq, out, out_t, inv_scales, step_size, decay, bias_correction2_sqrt,
+        grad_scale, seed, salt, 1 - beta1, beta2, 1 - beta2, eps, m, k, ROWS=ADAMW_ROWS, BLOCK=BLOCK,
+        BF16_MOMENTS=exp_avg.dtype == torch.bfloat16, num_warps=ADAMW_WARPS, enable_fp_fusion=False)
 
 
 @triton.jit

@@ -256,6 +256,9 @@ class GroupedExperts(nn.Module):
         # (x [N, K], w [E, K, M] a transposed view of a contiguous [E, M, K] stack, group ends [E] int32) → [N, M];
         # dsv3.quant swaps in a low-precision one (and sets the dispatcher's `align` to what it needs)
         self.grouped_mm = grouped_mm
+        # name → that GEMM's own FP8 form of the weight, where something keeps it up to date (one GPU: the optimizer,
+        # dsv3.optim.ComputeCopies), passed to the GEMM after the weight; empty: the GEMM quantizes the weights itself
+        self.weight_blocks: dict[str, tuple[torch.Tensor, ...]] = {}
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [N, dim] sorted by expert; tokens_per_expert [E] on device (zeros allowed)."""
@@ -263,9 +266,10 @@ class GroupedExperts(nn.Module):
         if isinstance(w13, DTensor):  # expert parallelism: compute with this rank's slice of the stacks
             w13, w2 = w13.to_local(), w2.to_local()
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)  # group ends, as _grouped_mm wants
-        gate_up = self.grouped_mm(x, w13.transpose(-2, -1), offsets)  # [N, 2I]
+        blocks = self.weight_blocks
+        gate_up = self.grouped_mm(x, w13.transpose(-2, -1), offsets, *blocks.get("w13", ()))  # [N, 2I]
         gate, up = gate_up.split(self.inter_dim, dim=-1)
-        return self.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offsets)  # [N, dim]
+        return self.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offsets, *blocks.get("w2", ()))  # [N, dim]
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dsv3.moe import GroupedExperts
 from dsv3.parallel import to_device
+from dsv3.quant import BLOCK, fp8_blockwise_grouped_mm
 
 
 def _flat_local(t: torch.Tensor) -> torch.Tensor:
@@ -111,6 +113,10 @@ class ComputeCopies:
     remakes it when its parameter changed otherwise since (an init, a load: any in-place write, which bumps
     `_version`, or a new tensor bound to `p.data`). An in-place write through `p.data` is invisible to both: write
     parameters in place under `torch.no_grad()`, as `init_weights` and `load_state_dict` do.
+    The blockwise FP8 experts' weights (`quant.fp8_blockwise_grouped_mm`) get no bf16 copy: their copy is what the
+    GEMM reads, the e4m3 blocks of `fp8_kernels.fp8_weight_blocks` (`blocks_of`, handed to the experts'
+    `weight_blocks`), which the update writes while it holds each block. Their Parameter in the model then holds no
+    values (one zero, expanded), only the gradient.
     Gradients land on the copies. With `active(accumulate=True)` (several micro-batches), each copy's gradient is
     added into its parameter's fp32 one as soon as backward has produced it, and freed at once, as FSDP's fp32
     reduce-scatter does: bf16 gradients never pile up beyond the block that backward is in."""
@@ -118,7 +124,11 @@ class ComputeCopies:
     def __init__(self, model: nn.Module, dtype: torch.dtype):
         self.slots = [(module, name, p) for module in model.modules()
                       for name, p in module._parameters.items() if p is not None]
-        self.copy_of = {p: nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
+        self.blocks_of = {p: _weight_blocks(module, name, p) for module, name, p in self.slots
+                          if isinstance(module, GroupedExperts) and module.grouped_mm is fp8_blockwise_grouped_mm}
+        self.copy_of = {p: nn.Parameter(torch.zeros((), dtype=dtype, device=p.device).expand(p.shape)
+                                        if p in self.blocks_of else torch.empty_like(p, dtype=dtype),
+                                        requires_grad=p.requires_grad)
                         for _, _, p in self.slots}
         self._written_at: dict[nn.Parameter, tuple[int, int]] = {}  # p → (p._version, p.data_ptr()) at the write
         self._accumulate = False
@@ -137,7 +147,13 @@ class ComputeCopies:
         with torch.no_grad():
             for p, copy in self.copy_of.items():
                 if self._written_at.get(p) != self._stamp(p):
-                    copy.copy_(p)
+                    if p in self.blocks_of:
+                        from dsv3.fp8_kernels import fp8_weight_blocks
+
+                        for blocks, made in zip(self.blocks_of[p], fp8_weight_blocks(p.to(copy.dtype))):
+                            blocks.copy_(made)
+                    else:
+                        copy.copy_(p)
                     self._written_at[p] = self._stamp(p)
         for module, name, p in self.slots:
             module._parameters[name] = self.copy_of[p]
@@ -171,6 +187,16 @@ class ComputeCopies:
     def zero_grad(self) -> None:
         for copy in self.copy_of.values():
             copy.grad = None
+
+
+def _weight_blocks(experts: GroupedExperts, name: str, p: nn.Parameter) -> tuple[torch.Tensor, ...]:
+    """Room for what `fp8_kernels.fp8_weight_blocks` makes of the expert stack `p` [E, M, K], given to `experts`."""
+    n_experts, m, k = p.shape
+    blocks = (torch.empty(p.shape, dtype=torch.float8_e4m3fn, device=p.device),
+              torch.empty(n_experts, k, m, dtype=torch.float8_e4m3fn, device=p.device),
+              torch.empty(n_experts, m // BLOCK, k // BLOCK, dtype=torch.float32, device=p.device))
+    experts.weight_blocks[name] = blocks
+    return blocks
 
 
 def _moments_back_to_state_dtype(optimizer: AdamW) -> None:
@@ -243,6 +269,14 @@ class AdamW(torch.optim.Optimizer):
                     values = to_device(torch.tensor(values, dtype=torch.float32), param.device)
                     scalars[key] = (*values.unbind(), scale, seed)
                 step_size, decay, bias_correction2_sqrt, scale, seed = scalars[key]
+                blocks = self.compute_copies.blocks_of.get(p) if self.compute_copies is not None else None
+                if blocks is not None:
+                    from dsv3.fp8_kernels import adamw_weight_blocks
+
+                    adamw_weight_blocks(p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], blocks,
+                                        step_size, decay, beta1, beta2, group["eps"], bias_correction2_sqrt, scale,
+                                        seed, self.salts[p])
+                    continue
                 update = _adamw_update_cuda if param.is_cuda else adamw_update
                 update(param, _flat_local(grad), _flat_local(state["exp_avg"]), _flat_local(state["exp_avg_sq"]),
                        step_size, decay, beta1, beta2, group["eps"], bias_correction2_sqrt, scale, seed, self.salts[p],

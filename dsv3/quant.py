@@ -326,10 +326,12 @@ def _(a, a_inv_scales, b, b_inv_scales, groups):
     return a.new_empty(a.size(0), b.size(1), dtype=torch.bfloat16)
 
 
-def fp8_blockwise_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def fp8_blockwise_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
+                             *w_blocks: torch.Tensor) -> torch.Tensor:
     """Routed-expert GEMM in DeepSeek-V3's FP8 recipe; groups must start at multiples of 128 rows (the dispatcher
-    pads them)."""
-    return _Fp8BlockwiseGroupedMM.apply(x, w, offsets)
+    pads them). `w_blocks`: what `fp8_kernels.fp8_weight_blocks` makes of w's bf16 values, if something keeps it
+    (`GroupedExperts.weight_blocks`); w's values are then not read, only its gradient is made."""
+    return _Fp8BlockwiseGroupedMM.apply(x, w, offsets, *w_blocks)
 
 
 class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
@@ -341,14 +343,17 @@ class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
     rows, the tiles' blocks), so the weight gradient's quantization reads each operand once."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *w_blocks: torch.Tensor
+                ) -> torch.Tensor:
         # x [N, K] row-major; w [E, K, M], each expert's matrix column-major (a transposed view of [E, M, K])
         from dsv3.fp8_kernels import fp8_tiles, fp8_weight_blocks
 
         x_fp8, x_inv_scales, x_amax = fp8_tiles(x)
-        w_fp8, wt_fp8, w_inv_scales = fp8_weight_blocks(w.transpose(-2, -1).contiguous())  # [E, M, K]: w's memory
+        # [E, M, K], [E, K, M], [E, M/128, K/128] (from [E, M, K]: w's memory)
+        w_fp8, wt_fp8, w_inv_scales = w_blocks or fp8_weight_blocks(w.transpose(-2, -1).contiguous())
         groups = group_of_row(offsets, x.size(0))
         ctx.save_for_backward(x, x_amax, wt_fp8, w_inv_scales, offsets, groups)
+        ctx.n_blocks = len(w_blocks)
         # DeepGEMM's output itself: returning an alias of it (`.to` of its own dtype) lost the gradient under
         # torch.compile (torch 2.11)
         return fp8_block_grouped_mm(x_fp8, x_inv_scales, w_fp8, w_inv_scales, groups)
@@ -362,7 +367,8 @@ class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
         g_fp8, g_inv_scales, g_amax = fp8_tiles(grad_out)
         grad_x = fp8_block_grouped_mm(g_fp8, g_inv_scales, wt_fp8, w_inv_scales.transpose(-2, -1).contiguous(),
                                       groups)
-        return grad_x, _fp8_rowwise_weight_grad(grad_out, x, offsets, g_amax, x_amax).transpose(-2, -1), None
+        grad_w = _fp8_rowwise_weight_grad(grad_out, x, offsets, g_amax, x_amax).transpose(-2, -1)
+        return grad_x, grad_w, None, *(None,) * ctx.n_blocks
 
 
 def mxfp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, emulated: bool) -> torch.Tensor:

@@ -16,6 +16,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from dsv3 import optim, parallel
 from dsv3.config import FLAVORS, Config, TrainConfig
 from dsv3.model import Transformer
+from dsv3.moe import GroupedExperts
 from train import build_model, build_optimizer, train_step
 from conftest import free_port
 
@@ -180,6 +181,69 @@ def test_one_gpu_trains_bf16_compute_copies_that_the_fused_update_writes():
     assert losses[-1] < 0.8 * losses[0]
     for p, copy in copies.copy_of.items():
         assert torch.equal(copy, p.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
+def test_the_blockwise_experts_update_is_adamw_update_writing_the_fp8_blocks_of_its_bf16_copy(state_dtype):
+    """fp8_kernels.adamw_weight_blocks: θ and both moments bit for bit eager CUDA's adamw_update (stochastic
+    rounding included), and, in place of the bf16 copy, fp8_weight_blocks of that copy, bit for bit."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("e4m3 needs compute capability >= 8.9")
+    from dsv3.fp8_kernels import adamw_weight_blocks, fp8_weight_blocks
+
+    torch.manual_seed(0)
+    shape = (3, 256, 384)
+    param = torch.randn(shape, device="cuda") * 0.02
+    grad = (torch.randn(shape, device="cuda") * 1e-3).bfloat16()
+    exp_avg = (torch.randn(shape, device="cuda") * 1e-4).to(state_dtype)
+    exp_avg_sq = (torch.rand(shape, device="cuda") * 1e-7).to(state_dtype)
+    values = torch.tensor([1e-3 / (1 - 0.9 ** 3), 1 - 1e-3 * 0.1, (1 - 0.95 ** 3) ** 0.5, 0.7], device="cuda")
+    step_size, decay, bias_correction2_sqrt, grad_scale = values.unbind()
+    seed, salt = torch.tensor(1234567, device="cuda"), torch.tensor(optim.rounding_salt(5, param), device="cuda")
+    expected = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
+    copy = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
+    optim.adamw_update(*(t.view(-1) for t in (expected[0], grad, expected[1], expected[2])), step_size, decay, 0.9,
+                       0.95, 1e-8, bias_correction2_sqrt, grad_scale, seed, salt, copy.view(-1))
+    blocks = tuple(torch.empty_like(t) for t in fp8_weight_blocks(copy))
+    adamw_weight_blocks(param, grad, exp_avg, exp_avg_sq, blocks, step_size, decay, 0.9, 0.95, 1e-8,
+                        bias_correction2_sqrt, grad_scale, seed, salt)
+    for ours, theirs in zip((param, exp_avg, exp_avg_sq), expected):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(blocks, fp8_weight_blocks(copy)):
+        assert torch.equal(ours.view(torch.uint8) if ours.element_size() == 1 else ours,
+                           theirs.view(torch.uint8) if theirs.element_size() == 1 else theirs)
+
+
+@pytest.mark.gpu
+def test_one_gpu_blockwise_experts_compute_with_fp8_blocks_the_optimizer_writes():
+    """At one rank the blockwise FP8 experts' copies are the e4m3 blocks their GEMM reads, written by the update:
+    their Parameters hold no values, the blocks always match the fp32 weights, gradients of 2 micro-batches add up,
+    the loss falls."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("DeepGEMM's FP8 kernels here are Hopper's")
+    pytest.importorskip("deep_gemm", reason="scripts/install_deepgemm.sh builds it")
+    from dsv3.fp8_kernels import fp8_weight_blocks
+
+    cfg = Config(model={"n_layers": 2, "max_seq_len": 64, "moe_inter_dim": 128},
+                 train=TrainConfig(global_batch=4, micro_batch=2, seq_len=64, lr=3e-3, warmup_steps=0, steps=10,
+                                   optimizer_state_dtype="bf16", expert_precision="fp8-blockwise"))
+    device = torch.device("cuda")
+    model = build_model(cfg, 1, device)
+    copies = model.compute_copies
+    stacks = [m for m in model.modules() if isinstance(m, GroupedExperts)]  # the MoE layer's and the MTP module's
+    assert len(stacks) == 2 and set(copies.blocks_of) == {p for m in stacks for p in (m.w13, m.w2)}
+    assert all(copies.copy_of[p].stride() == (0, 0, 0) for p in copies.blocks_of)
+    optimizer = build_optimizer(model, cfg.train, device)
+    batch = torch.randint(0, FLAVORS["debug"].vocab_size, (4, 65), device=device)
+    losses = []
+    for step in range(1, 11):
+        losses.append(train_step(model, optimizer, batch, cfg.train, step)[0][0].item())
+        for p, blocks in copies.blocks_of.items():
+            for ours, theirs in zip(blocks, fp8_weight_blocks(p.to(torch.bfloat16))):
+                assert torch.equal(ours.view(torch.uint8) if ours.element_size() == 1 else ours,
+                                   theirs.view(torch.uint8) if theirs.element_size() == 1 else theirs)
+    assert losses[-1] < 0.8 * losses[0]
 
 
 # ------------------------------------------------------------------------------------------ compute copies
