@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from dsv3.config import UserError
-from dsv3.moe import combine_token_copies, gather_token_copies, pad_order, pads_groups, row_of_slot
+from dsv3.moe import TokenCopies, combine_token_copies, gather_token_copies, pad_order, pads_groups, row_of_slot
 
 
 class _AllToAll(torch.autograd.Function):
@@ -100,8 +100,8 @@ class AllToAllDispatcher:
         if pads_groups(self.align, x.device) or not recv_x.size(0):
             local_order, tokens_per_local_expert = pad_order(local_order, expert_of_row[local_order],
                                                              tokens_per_local_expert, self.align, bucket=True)
-        expert_x = gather_token_copies(recv_x, local_order, 1)
-        return expert_x, tokens_per_local_expert, (order, topk_weights, local_order, send_splits, recv_splits)
+        return (TokenCopies(recv_x, local_order, 1), tokens_per_local_expert,
+                (order, topk_weights, local_order, send_splits, recv_splits))
 
     def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
         order, topk_weights, local_order, send_splits, recv_splits = ctx
@@ -241,8 +241,7 @@ class DeepEPDispatcher:
         if pads_groups(self.align, x.device) or not n_rows:
             order, tokens_per_local_expert = pad_order(order, expert_of_row, tokens_per_local_expert, self.align,
                                                        bucket=True)
-        expert_x = gather_token_copies(recv_x, order, recv_idx.size(1))
-        return expert_x, tokens_per_local_expert, (order, recv_weights, handle)
+        return TokenCopies(recv_x, order, recv_idx.size(1)), tokens_per_local_expert, (order, recv_weights, handle)
 
     def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Starts the exchange and returns y before it has arrived: call `wait(y)` before reading y."""

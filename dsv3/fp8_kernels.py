@@ -270,7 +270,18 @@ def adamw_weight_blocks(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.
 
 
 @triton.jit
-def _fp8_tiles_kernel(x_ptr, out_ptr, inv_scales_ptr, block_amax_ptr, N, K, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _source_rows(source_rows_ptr, rows, row_mask, GATHER: tl.constexpr):
+    """The rows of x that hold `rows` of the operand, and which to read: with GATHER, x[source_rows[r]], a zero
+    row where that is −1; else x[r] itself."""
+    if GATHER:
+        source = tl.load(source_rows_ptr + rows, mask=row_mask, other=-1)
+        return source.to(tl.int64), source >= 0
+    return rows.to(tl.int64), row_mask
+
+
+@triton.jit
+def _fp8_tiles_kernel(x_ptr, source_rows_ptr, out_ptr, inv_scales_ptr, block_amax_ptr, N, K,
+                      ROWS: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr):
     block_row = tl.program_id(0)
     tile = tl.program_id(1)
     cols = tile * BLOCK + tl.arange(0, BLOCK)
@@ -279,11 +290,12 @@ def _fp8_tiles_kernel(x_ptr, out_ptr, inv_scales_ptr, block_amax_ptr, N, K, ROWS
     for part in tl.range(0, BLOCK // ROWS):
         rows = block_row * BLOCK + part * ROWS + tl.arange(0, ROWS)
         row_mask = rows < N
-        offsets = rows.to(tl.int64)[:, None] * K + cols[None, :]
-        x = tl.load(x_ptr + offsets, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        x_rows, x_mask = _source_rows(source_rows_ptr, rows, row_mask, GATHER)
+        x = tl.load(x_ptr + x_rows[:, None] * K + cols[None, :], mask=x_mask[:, None], other=0.0).to(tl.float32)
         magnitude = tl.abs(x)
         col_amax = tl.maximum(col_amax, magnitude)
         scales = _pow2_scale(tl.max(magnitude, axis=1))
+        offsets = rows.to(tl.int64)[:, None] * K + cols[None, :]
         tl.store(out_ptr + offsets, _to_e4m3(x, scales[:, None]), mask=row_mask[:, None])
         tl.store(inv_scales_ptr + tile * N + rows, 1.0 / scales, mask=row_mask)
     tl.store(block_amax_ptr + block_row.to(tl.int64) * K + cols, tl.max(col_amax, axis=0))
@@ -293,32 +305,37 @@ def _fp8_tiles_kernel(x_ptr, out_ptr, inv_scales_ptr, block_amax_ptr, N, K, ROWS
 # token rows, read by this op and saved for `fp8_group_cols` in the backward, were written twice by the gather
 # (torch 2.11). The ops make x contiguous themselves, a no-op for the row-major buffers inductor makes.
 @torch.library.custom_op("dsv3::fp8_tiles", mutates_args=(), tags=(torch.Tag.flexible_layout,))
-def fp8_tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fp8_tiles(x: torch.Tensor, source_rows: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [N, K] contiguous, K a multiple of 128 → (e4m3 [N, K], inverse scales [N, K/128] fp32, column amaxes
     [⌈N/128⌉, K] fp32): one power-of-two scale per 1×128 tile of a row (DeepSeek-V3 §3.3.2), in one read. The inverse
     scales are stored column-major, the layout DeepGEMM reads (it would otherwise transpose them). The column amaxes,
-    each column's over each block of 128 rows, spare `fp8_group_cols` its own pass over the rows of x."""
+    each column's over each block of 128 rows, spare `fp8_group_cols` its own pass over the rows of x.
+    With `source_rows` [N] (int64), the operand's rows are x[source_rows] (−1: a zero row), gathered as they are
+    read: the rows of the experts' input are never written out in bf16."""
     x = x.contiguous()
-    n, k = x.shape
-    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    n, k = x.shape if source_rows is None else (source_rows.numel(), x.size(1))
+    out = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=x.device)
     inv_scales = torch.empty(k // BLOCK, n, dtype=torch.float32, device=x.device)
     block_amax = torch.empty(triton.cdiv(n, BLOCK), k, dtype=torch.float32, device=x.device)
-    _fp8_tiles_kernel[(triton.cdiv(n, BLOCK), k // BLOCK)](x, out, inv_scales, block_amax, n, k, ROWS=TILE_ROWS,
-                                                           BLOCK=BLOCK, num_warps=4)
+    _fp8_tiles_kernel[(triton.cdiv(n, BLOCK), k // BLOCK)](
+        x, x if source_rows is None else source_rows, out, inv_scales, block_amax, n, k, ROWS=TILE_ROWS,
+        BLOCK=BLOCK, GATHER=source_rows is not None, num_warps=4)
     return out, inv_scales.t(), block_amax
 
 
 @fp8_tiles.register_fake
-def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n, k = x.shape
-    return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
+def _(x: torch.Tensor, source_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, k = x.shape if source_rows is None else (source_rows.numel(), x.size(1))
+    return (x.new_empty(n, k, dtype=torch.float8_e4m3fn),
             x.new_empty(k // BLOCK, n, dtype=torch.float32).t(),
             x.new_empty(triton.cdiv(n, BLOCK), k, dtype=torch.float32))
 
 
 @triton.jit
-def _fp8_group_cols_kernel(x_ptr, offsets_ptr, block_amax_ptr, out_ptr, scales_ptr, N, F,
-                           BLOCK_ROWS: tl.constexpr, BLOCK_F: tl.constexpr, AMAX_ROWS: tl.constexpr):
+def _fp8_group_cols_kernel(x_ptr, source_rows_ptr, offsets_ptr, block_amax_ptr, out_ptr, scales_ptr, N, F,
+                           BLOCK_ROWS: tl.constexpr, BLOCK_F: tl.constexpr, AMAX_ROWS: tl.constexpr,
+                           GATHER: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
     group = tl.program_id(1)
     col_mask = cols < F
@@ -332,41 +349,46 @@ def _fp8_group_cols_kernel(x_ptr, offsets_ptr, block_amax_ptr, out_ptr, scales_p
         amax = tl.zeros([BLOCK_ROWS, BLOCK_F], tl.float32)  # reduced over its rows once, at the end
         for first in range(start, end, BLOCK_ROWS):
             rows = first + tl.arange(0, BLOCK_ROWS)
-            mask = (rows < end)[:, None] & col_mask[None, :]
-            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], mask=mask, other=0.0)
+            x_rows, x_mask = _source_rows(source_rows_ptr, rows, rows < end, GATHER)
+            mask = x_mask[:, None] & col_mask[None, :]
+            x = tl.load(x_ptr + x_rows[:, None] * F + cols[None, :], mask=mask, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
         col_amax = tl.max(amax, axis=0)
     scales = _pow2_scale(col_amax)
     tl.store(scales_ptr + group * F + cols, scales, mask=col_mask)
     for first in range(start, end, BLOCK_ROWS):
         rows = first + tl.arange(0, BLOCK_ROWS)
-        mask = (rows < end)[:, None] & col_mask[None, :]
-        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :], mask=mask, other=0.0)
+        x_rows, x_mask = _source_rows(source_rows_ptr, rows, rows < end, GATHER)
+        x = tl.load(x_ptr + x_rows[:, None] * F + cols[None, :], mask=x_mask[:, None] & col_mask[None, :],
+                    other=0.0)
         x_fp8 = _to_e4m3(x, scales[None, :])
-        tl.store(out_ptr + cols.to(tl.int64)[None, :] * N + rows[:, None], x_fp8, mask=mask)
+        tl.store(out_ptr + cols.to(tl.int64)[None, :] * N + rows[:, None], x_fp8,
+                 mask=(rows < end)[:, None] & col_mask[None, :])
 
 
 @torch.library.custom_op("dsv3::fp8_group_cols", mutates_args=(), tags=(torch.Tag.flexible_layout,))
-def fp8_group_cols(x: torch.Tensor, offsets: torch.Tensor,
-                   block_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_group_cols(x: torch.Tensor, offsets: torch.Tensor, block_amax: torch.Tensor | None = None,
+                   source_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, F] row-major, its rows in groups ending at `offsets` [G] → (e4m3 [N, F] column-major, scales [G·F]):
     each group's column c ≈ e4m3 / scales[g·F + c], the layouts `torch._scaled_grouped_mm` takes for a weight
     gradient. With `block_amax` (`fp8_tiles`' column amaxes of x; every group then starts and ends at a multiple of
-    128 rows), the scales come from those, and x is read once instead of twice."""
+    128 rows), the scales come from those, and x is read once instead of twice. With `source_rows`, as `fp8_tiles`:
+    the operand's rows are x[source_rows], gathered as they are read."""
     x = x.contiguous()
-    n, f = x.shape
+    n, f = x.shape if source_rows is None else (source_rows.numel(), x.size(1))
     block_f = 32
     out = torch.empty_strided((n, f), (1, n), dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(offsets.numel() * f, dtype=torch.float32, device=x.device)
     _fp8_group_cols_kernel[(triton.cdiv(f, block_f), offsets.numel())](
-        x, offsets, x if block_amax is None else block_amax, out, scales, n, f, BLOCK_ROWS=256, BLOCK_F=block_f,
-        AMAX_ROWS=0 if block_amax is None else BLOCK, num_warps=4)
+        x, x if source_rows is None else source_rows, offsets, x if block_amax is None else block_amax, out, scales,
+        n, f, BLOCK_ROWS=256, BLOCK_F=block_f, AMAX_ROWS=0 if block_amax is None else BLOCK,
+        GATHER=source_rows is not None, num_warps=4)
     return out, scales
 
 
 @fp8_group_cols.register_fake
-def _(x: torch.Tensor, offsets: torch.Tensor, block_amax: torch.Tensor | None = None
-      ) -> tuple[torch.Tensor, torch.Tensor]:
-    n, f = x.shape
+def _(x: torch.Tensor, offsets: torch.Tensor, block_amax: torch.Tensor | None = None,
+      source_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    n, f = x.shape if source_rows is None else (source_rows.numel(), x.size(1))
     return (torch.empty_strided((n, f), (1, n), dtype=torch.float8_e4m3fn, device=x.device),
             x.new_empty(offsets.numel() * f, dtype=torch.float32))

@@ -64,7 +64,8 @@ class LocalDispatcher:
 
     Interface shared by every dispatcher:
       dispatch(x [T, D], topk_idx [T, K], topk_weights [T, K], tokens_per_expert [E] of these tokens)
-          -> (expert_x [N, D] grouped by local expert, tokens_per_local_expert [E_local] int64, ctx)
+          -> (expert_x: `TokenCopies` of [N, D] rows grouped by local expert, tokens_per_local_expert [E_local]
+              int64, ctx)
       combine(expert_y [N, D], ctx) -> y [T, D] = Σ_k g_k · expert_y of token t's k-th copy
       wait(y) -> y, readable: combine may return while its exchange is still in flight (DeepEP), so that
           the shared experts overlap it; a no-op for the others
@@ -81,7 +82,7 @@ class LocalDispatcher:
         order = flat_idx.argsort(stable=True)  # token copies sorted by expert
         if pads_groups(self.align, x.device):
             order, tokens_per_expert = pad_order(order, flat_idx[order], tokens_per_expert, self.align)
-        return gather_token_copies(x, order, topk_idx.size(1)), tokens_per_expert, (order, topk_weights)
+        return TokenCopies(x, order, topk_idx.size(1)), tokens_per_expert, (order, topk_weights)
 
     def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
         order, topk_weights = ctx
@@ -142,6 +143,18 @@ def _bucketed(size: int, align: int) -> int:
     return -(-size // quantum) * quantum
 
 
+class TokenCopies(NamedTuple):
+    """What a dispatcher hands the experts: their input rows as source[order // topk] (−1: a zero row), not yet
+    gathered. `GroupedExperts` gathers them (`gather_token_copies`), or, where its GEMM quantizes its input
+    (blockwise FP8), hands them to the GEMM, which gathers them as it quantizes them."""
+    source: torch.Tensor  # [T, D]
+    order: torch.Tensor  # [N] the slot (token, k) of each row, −1 for a padding row
+    topk: int
+
+    def gather(self) -> torch.Tensor:
+        return gather_token_copies(self.source, self.order, self.topk)
+
+
 def gather_token_copies(x: torch.Tensor, order: torch.Tensor, topk: int) -> torch.Tensor:
     """x [T, D] → its token copies [N, D] in `order` (the flat (token, k) slot of each row, −1: a row of zeros, as
     `pad_order`'s padding), as x[order // topk]. Slots that `order` leaves out (under DeepEP: experts on other
@@ -198,10 +211,15 @@ class _GatheredRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows):
         (order,) = ctx.saved_tensors
-        if not grad_rows.size(0):  # no row was gathered (EP: a rank that received no tokens): nothing to sum
-            return grad_rows.new_zeros(ctx.n_tokens, grad_rows.size(1)), None, None
-        rows_of_token = row_of_slot(order, ctx.n_tokens * ctx.topk).view(-1, ctx.topk)  # [T, K]
-        return _sum_rows_of_slots(grad_rows, rows_of_token), None, None
+        return sum_token_copies(grad_rows, order, ctx.topk, ctx.n_tokens), None, None
+
+
+def sum_token_copies(grad_rows: torch.Tensor, order: torch.Tensor, topk: int, n_tokens: int) -> torch.Tensor:
+    """The gradient of `gather_token_copies` [T, D]: each token's is the sum of its copies' rows' [N, D]."""
+    if not grad_rows.size(0):  # no row was gathered (EP: a rank that received no tokens): nothing to sum
+        return grad_rows.new_zeros(n_tokens, grad_rows.size(1))
+    rows_of_token = row_of_slot(order, n_tokens * topk).view(-1, topk)  # [T, K]
+    return _sum_rows_of_slots(grad_rows, rows_of_token)
 
 
 def combine_token_copies(rows: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -256,12 +274,17 @@ class GroupedExperts(nn.Module):
         # (x [N, K], w [E, K, M] a transposed view of a contiguous [E, M, K] stack, group ends [E] int32) → [N, M];
         # dsv3.quant swaps in a low-precision one (and sets the dispatcher's `align` to what it needs)
         self.grouped_mm = grouped_mm
+        # whether grouped_mm takes the dispatcher's `TokenCopies` as its x and gathers them itself
+        self.gathers_copies = False
         # name → that GEMM's own FP8 form of the weight, where something keeps it up to date (one GPU: the optimizer,
         # dsv3.optim.ComputeCopies), passed to the GEMM after the weight; empty: the GEMM quantizes the weights itself
         self.weight_blocks: dict[str, tuple[torch.Tensor, ...]] = {}
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x [N, dim] sorted by expert; tokens_per_expert [E] on device (zeros allowed)."""
+    def forward(self, x: torch.Tensor | TokenCopies, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x [N, dim] sorted by expert, or a dispatcher's `TokenCopies` of such rows; tokens_per_expert [E] on
+        device (zeros allowed)."""
+        if isinstance(x, TokenCopies) and not self.gathers_copies:
+            x = x.gather()
         w13, w2 = self.w13, self.w2
         if isinstance(w13, DTensor):  # expert parallelism: compute with this rank's slice of the stacks
             w13, w2 = w13.to_local(), w2.to_local()

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from dsv3.config import UserError
-from dsv3.moe import MoE
+from dsv3.moe import MoE, TokenCopies, sum_token_copies
 
 PRECISIONS = ("bf16", "fp8", "mxfp8", "mxfp8-emulated")
 EXPERT_PRECISIONS = ("bf16", "low", "fp8-blockwise")
@@ -171,7 +171,7 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
     """
     _check_modes(precision, expert_precision, fp8_recipe)
     if expert_precision == "fp8-blockwise":
-        _swap_expert_gemm(model, fp8_blockwise_grouped_mm, BLOCK, BLOCK, expert_precision)
+        _swap_expert_gemm(model, fp8_blockwise_grouped_mm, BLOCK, BLOCK, expert_precision, gathers=True)
     if precision == "bf16":
         return []
     eligible = convertible_linears(model, precision, fp8_min_features)
@@ -196,7 +196,8 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
     return names
 
 
-def _swap_expert_gemm(model: nn.Module, gemm, feature_multiple: int, align: int, what: str) -> None:
+def _swap_expert_gemm(model: nn.Module, gemm, feature_multiple: int, align: int, what: str,
+                      gathers: bool = False) -> None:
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         dim, inter_dim = moe.experts.w2.shape[1:]
         if dim % feature_multiple or inter_dim % feature_multiple:
@@ -204,6 +205,7 @@ def _swap_expert_gemm(model: nn.Module, gemm, feature_multiple: int, align: int,
                             f"({inter_dim}) divisible by {feature_multiple}: change them or use "
                             "--train.expert_precision=bf16")
         moe.experts.grouped_mm = gemm
+        moe.experts.gathers_copies = gathers
         moe.dispatcher.align = align
 
 
@@ -289,14 +291,15 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
 
 
 def _fp8_rowwise_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
-                             grad_out_amax: torch.Tensor | None = None,
-                             x_amax: torch.Tensor | None = None) -> torch.Tensor:
+                             grad_out_amax: torch.Tensor | None = None, x_amax: torch.Tensor | None = None,
+                             x_source_rows: torch.Tensor | None = None) -> torch.Tensor:
     """grad_w [E, M, K] = grad_outᵀ · x per group, both quantized along the tokens, within each expert's group
-    (`*_amax`: the operand's column amaxes per 128-row block, from `fp8_tiles`)."""
+    (`*_amax`: the operand's column amaxes per 128-row block, from `fp8_tiles`; `x_source_rows`: x's rows are
+    x[x_source_rows], as `fp8_tiles` takes them)."""
     from dsv3.fp8_kernels import fp8_group_cols
 
     g_cols, g_col_scales = fp8_group_cols(grad_out, offsets, grad_out_amax)
-    x_cols, x_col_scales = fp8_group_cols(x, offsets, x_amax)
+    x_cols, x_col_scales = fp8_group_cols(x, offsets, x_amax, x_source_rows)
     return torch._scaled_grouped_mm(g_cols.t(), x_cols, g_col_scales.reciprocal(), x_col_scales.reciprocal(),
                                     offsets, out_dtype=grad_out.dtype, use_fast_accum=True)
 
@@ -326,12 +329,16 @@ def _(a, a_inv_scales, b, b_inv_scales, groups):
     return a.new_empty(a.size(0), b.size(1), dtype=torch.bfloat16)
 
 
-def fp8_blockwise_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
+def fp8_blockwise_grouped_mm(x: torch.Tensor | TokenCopies, w: torch.Tensor, offsets: torch.Tensor,
                              *w_blocks: torch.Tensor) -> torch.Tensor:
     """Routed-expert GEMM in DeepSeek-V3's FP8 recipe; groups must start at multiples of 128 rows (the dispatcher
-    pads them). `w_blocks`: what `fp8_kernels.fp8_weight_blocks` makes of w's bf16 values, if something keeps it
-    (`GroupedExperts.weight_blocks`); w's values are then not read, only its gradient is made."""
-    return _Fp8BlockwiseGroupedMM.apply(x, w, offsets, *w_blocks)
+    pads them). x: the rows, or a dispatcher's `TokenCopies` of them, which the quantization gathers as it reads
+    them (the bf16 rows are never written). `w_blocks`: what `fp8_kernels.fp8_weight_blocks` makes of w's bf16
+    values, if something keeps it (`GroupedExperts.weight_blocks`); w's values are then not read, only its gradient
+    is made."""
+    if isinstance(x, TokenCopies):
+        return _Fp8BlockwiseGroupedMM.apply(x.source, w, offsets, x.order, x.topk, *w_blocks)
+    return _Fp8BlockwiseGroupedMM.apply(x, w, offsets, None, 1, *w_blocks)
 
 
 class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
@@ -340,20 +347,23 @@ class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
     gradient, whose inner dimension is each group's tokens, takes `_Fp8RowwiseGroupedMM`'s per-group column scales:
     torch's grouped GEMM ran it faster than DeepGEMM's k-grouped one, which writes fp32. Those scales come from the
     column amaxes that the tiles' kernel records while it reads each operand (its groups start at multiples of 128
-    rows, the tiles' blocks), so the weight gradient's quantization reads each operand once."""
+    rows, the tiles' blocks), so the weight gradient's quantization reads each operand once. With `order`, the rows
+    are x[order // topk] (`TokenCopies`), read so by both quantizations, and x's gradient sums its copies'."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *w_blocks: torch.Tensor
-                ) -> torch.Tensor:
-        # x [N, K] row-major; w [E, K, M], each expert's matrix column-major (a transposed view of [E, M, K])
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor | None,
+                topk: int, *w_blocks: torch.Tensor) -> torch.Tensor:
+        # x [N, K] row-major (with `order`: [T, K], the rows' source); w [E, K, M], each expert's matrix
+        # column-major (a transposed view of [E, M, K])
         from dsv3.fp8_kernels import fp8_tiles, fp8_weight_blocks
 
-        x_fp8, x_inv_scales, x_amax = fp8_tiles(x)
+        source_rows = None if order is None else torch.where(order >= 0, order // topk, -1)
+        x_fp8, x_inv_scales, x_amax = fp8_tiles(x, source_rows)
         # [E, M, K], [E, K, M], [E, M/128, K/128] (from [E, M, K]: w's memory)
         w_fp8, wt_fp8, w_inv_scales = w_blocks or fp8_weight_blocks(w.transpose(-2, -1).contiguous())
-        groups = group_of_row(offsets, x.size(0))
-        ctx.save_for_backward(x, x_amax, wt_fp8, w_inv_scales, offsets, groups)
-        ctx.n_blocks = len(w_blocks)
+        groups = group_of_row(offsets, x_fp8.size(0))
+        ctx.save_for_backward(x, x_amax, wt_fp8, w_inv_scales, offsets, groups, order, source_rows)
+        ctx.n_blocks, ctx.topk = len(w_blocks), topk
         # DeepGEMM's output itself: returning an alias of it (`.to` of its own dtype) lost the gradient under
         # torch.compile (torch 2.11)
         return fp8_block_grouped_mm(x_fp8, x_inv_scales, w_fp8, w_inv_scales, groups)
@@ -362,13 +372,15 @@ class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         from dsv3.fp8_kernels import fp8_tiles
 
-        x, x_amax, wt_fp8, w_inv_scales, offsets, groups = ctx.saved_tensors
+        x, x_amax, wt_fp8, w_inv_scales, offsets, groups, order, source_rows = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         g_fp8, g_inv_scales, g_amax = fp8_tiles(grad_out)
         grad_x = fp8_block_grouped_mm(g_fp8, g_inv_scales, wt_fp8, w_inv_scales.transpose(-2, -1).contiguous(),
                                       groups)
-        grad_w = _fp8_rowwise_weight_grad(grad_out, x, offsets, g_amax, x_amax).transpose(-2, -1)
-        return grad_x, grad_w, None, *(None,) * ctx.n_blocks
+        if order is not None:
+            grad_x = sum_token_copies(grad_x, order, ctx.topk, x.size(0))
+        grad_w = _fp8_rowwise_weight_grad(grad_out, x, offsets, g_amax, x_amax, source_rows).transpose(-2, -1)
+        return grad_x, grad_w, None, None, None, *(None,) * ctx.n_blocks
 
 
 def mxfp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, emulated: bool) -> torch.Tensor:

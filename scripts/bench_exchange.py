@@ -35,7 +35,8 @@ def time_layer(dispatcher, x0: torch.Tensor, topk_idx: torch.Tensor, weights0: t
         x, weights = x0.detach().requires_grad_(backward), weights0.detach().requires_grad_(backward)
         events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         events[0].record()
-        expert_x, tokens_per_local_expert, ctx = dispatcher.dispatch(x, topk_idx, weights, tokens_per_expert)
+        copies, tokens_per_local_expert, ctx = dispatcher.dispatch(x, topk_idx, weights, tokens_per_expert)
+        expert_x = copies.gather()
         events[1].record()
         y = dispatcher.wait(dispatcher.combine(expert_x * 1.0, ctx))  # * 1.0: the experts' output is a new tensor
         events[2].record()

@@ -46,7 +46,8 @@ def make_experts(seed: int = 0) -> GroupedExperts:
 def run_experts(experts: GroupedExperts, lo: int, hi: int, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Experts [lo, hi) of the stack, as an EP rank holding only those runs them."""
     local = SimpleNamespace(w13=experts.w13[lo:hi], w2=experts.w2[lo:hi], inter_dim=experts.inter_dim,
-                            grouped_mm=experts.grouped_mm, weight_blocks={})
+                            grouped_mm=experts.grouped_mm, gathers_copies=experts.gathers_copies,
+                            weight_blocks={})
     return GroupedExperts.forward(local, x, counts)
 
 
@@ -200,7 +201,8 @@ def test_a_rank_that_received_no_tokens_runs_forward_and_backward(align):
     experts = make_experts()
     dispatcher = DeepEPDispatcher(_NothingReceived(), E, align)
     x, topk_idx, weights = routing(0)
-    expert_x, counts, ctx = dispatcher.dispatch(x, topk_idx, weights, torch.bincount(topk_idx.flatten(), minlength=E))
+    copies, counts, ctx = dispatcher.dispatch(x, topk_idx, weights, torch.bincount(topk_idx.flatten(), minlength=E))
+    expert_x = copies.gather()
     assert expert_x.size(0) >= E and (expert_x == 0).all() and counts.sum() == expert_x.size(0)
     y = dispatcher.wait(dispatcher.combine(experts(expert_x, counts), ctx))
     y.sum().backward()

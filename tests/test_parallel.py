@@ -108,7 +108,7 @@ def _worker(rank: int, world: int, ep: int, port: int, out_path: str, ac: str = 
     if starve:
         _starve_last_rank(model, ep)
         for moe in parallel.moe_layers(model):
-            moe.experts.register_forward_pre_hook(lambda _, args: expert_rows.append(args[0].size(0)))
+            moe.experts.register_forward_pre_hook(lambda _, args: expert_rows.append(args[0].order.numel()))
     result = _run(_parallelize(model, world, ep, ac), _batches(), rank, world, train)
     if starve:  # the fewest rows any rank's experts were handed
         result["min_expert_rows"] = _all_reduce_min(torch.tensor(min(expert_rows)))

@@ -21,7 +21,8 @@ from dsv3 import moe as moe_module
 from dsv3 import parallel, quant
 from dsv3.config import FLAVORS, load_config
 from dsv3.model import RMSNorm, Transformer
-from dsv3.moe import MLP, GroupedExperts, MoE, Router, gather_token_copies, grouped_mm, pad_order, row_of_slot
+from dsv3.moe import (MLP, GroupedExperts, MoE, Router, TokenCopies, gather_token_copies, grouped_mm, pad_order,
+                      row_of_slot)
 from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -770,6 +771,59 @@ def test_fp8_group_kernel_takes_its_scales_from_the_tiles_column_amaxes():
     (data, scales), (data_own, scales_own) = fp8_group_cols(x, offsets, fp8_tiles(x)[2]), fp8_group_cols(x, offsets)
     assert torch.isfinite(scales).all() and torch.equal(scales, scales_own)
     assert torch.equal(data[:real].view(torch.uint8), data_own[:real].view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_fp8_quantization_kernels_gather_rows_as_they_read_them_bit_for_bit():
+    """With `source_rows`, the tiles' and the group kernel's outputs are bit for bit theirs of the gathered rows
+    (x[source_rows], zero rows at −1); the rows are never written out in bf16."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("Triton's e4m3 needs compute capability >= 8.9")
+    from dsv3.fp8_kernels import fp8_group_cols, fp8_tiles
+
+    torch.manual_seed(0)
+    x = (torch.randn(200, 384, device="cuda") * torch.logspace(-3, 3, 384, device="cuda")).bfloat16()
+    source_rows = torch.randint(0, 200, (640,), device="cuda")
+    source_rows[torch.randperm(640, device="cuda")[:90]] = -1  # padding rows
+    rows = torch.where((source_rows >= 0)[:, None], x[source_rows], 0)
+    offsets = torch.tensor([256, 384, 640], device="cuda", dtype=torch.int32)  # whole 128-row blocks
+    gathered, rows_first = fp8_tiles(x, source_rows), fp8_tiles(rows)
+    for ours, theirs in zip(gathered + fp8_group_cols(x, offsets, gathered[2], source_rows),
+                            rows_first + fp8_group_cols(rows, offsets, rows_first[2])):
+        assert ours.shape == theirs.shape and ours.stride() == theirs.stride()
+        assert torch.equal(ours.contiguous().view(torch.uint8), theirs.contiguous().view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_fp8_blockwise_experts_take_the_dispatchers_token_copies_bit_for_bit():
+    """`TokenCopies` (the rows gathered inside the GEMM's quantization) give the output and gradients of gathering
+    the rows first, bit for bit, eager and compiled."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("DeepGEMM's FP8 kernels here are Hopper's")
+    pytest.importorskip("deep_gemm", reason="scripts/install_deepgemm.sh builds it")
+    torch.manual_seed(0)
+    n_tokens, topk, dim, inter = 300, 3, 256, 384
+    counts = torch.bincount(torch.randint(0, 8, (n_tokens * topk,)), minlength=8)
+    counts[1] = 0
+    order = torch.randperm(n_tokens * topk)[:int(counts.sum())]
+    order, padded = pad_order(order, torch.repeat_interleave(torch.arange(8), counts), counts, 128)
+    order, offsets = order.cuda(), padded.cumsum(0).to(torch.int32).cuda()
+    source = torch.randn(n_tokens, dim, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(8, 2 * inter, dim, device="cuda") * 0.05).bfloat16().requires_grad_()
+    real = order >= 0  # rows past the last group are junk under DeepGEMM
+    grad = torch.randn(order.numel(), 2 * inter, device="cuda", dtype=torch.bfloat16) * real[:, None]
+
+    def run(gemm, gather_first):
+        x = source.clone().requires_grad_()
+        w.grad = None
+        copies = TokenCopies(x, order, topk)
+        y = gemm(copies.gather() if gather_first else copies, w.transpose(-2, -1), offsets)
+        y.backward(grad)
+        return y[real], x.grad, w.grad
+
+    for gemm in (quant.fp8_blockwise_grouped_mm, torch.compile(quant.fp8_blockwise_grouped_mm)):
+        for ours, theirs in zip(run(gemm, False), run(gemm, True)):
+            assert torch.equal(ours, theirs)
 
 
 @pytest.mark.gpu
