@@ -18,9 +18,10 @@ block, then its e4m3 cast in both layouts, in place of a bf16 copy of the weight
 back and quantize.
 
 Tiles (`quant.fp8_blockwise_grouped_mm`): one scale per 1×128 tile of a token row, read once. As plain torch ops
-inductor split them into an amax kernel and a cast kernel, some of them below half the bandwidth; the rows are
-written in bf16 anyway (the weight gradient reads them), so a kernel of its own costs one read of them. While it
-reads them, it records each column's amax over each block of 128 rows, for the token groups' scales.
+inductor split them into an amax kernel and a cast kernel, some of them below half the bandwidth. While the kernel
+reads the rows, it records each column's amax over each block of 128 rows, for the token groups' scales. The
+experts' input rows it gathers from the dispatcher's source as it reads them (`moe.TokenCopies`), as the token
+groups' kernel does in the backward: those rows are never written in bf16.
 
 Token groups: the weight gradient grad_outᵀ · x takes both operands scaled per column within each expert's group
 and stored column-major. One program per group and block of 32 columns makes an amax pass over the group's rows,
@@ -39,7 +40,7 @@ import triton.language as tl
 
 from dsv3.quant import BLOCK
 
-TILE_ROWS = 16  # rows of one step of the 1×128 tile kernel, whose programs take BLOCK rows
+TILE_ROWS, TILE_WARPS = 16, 2  # rows of one step of the 1×128 tile kernel (its programs take BLOCK rows), its warps
 ROWS_PER_PROGRAM = 128  # rows of one expert per program of the forward kernel: its column amaxes are [E, M / 128, K]
 ADAMW_ROWS, ADAMW_WARPS = 16, 16  # rows of one step of the blockwise AdamW's update, and its warps (of 21, H200)
 
@@ -320,7 +321,7 @@ def fp8_tiles(x: torch.Tensor, source_rows: torch.Tensor | None = None
     block_amax = torch.empty(triton.cdiv(n, BLOCK), k, dtype=torch.float32, device=x.device)
     _fp8_tiles_kernel[(triton.cdiv(n, BLOCK), k // BLOCK)](
         x, x if source_rows is None else source_rows, out, inv_scales, block_amax, n, k, ROWS=TILE_ROWS,
-        BLOCK=BLOCK, GATHER=source_rows is not None, num_warps=4)
+        BLOCK=BLOCK, GATHER=source_rows is not None, num_warps=TILE_WARPS)
     return out, inv_scales.t(), block_amax
 
 

@@ -267,7 +267,6 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int):
         super().__init__()
-        self.inter_dim = inter_dim
         # gate (w1) and up (w3) fused so one grouped GEMM reads the tokens once
         self.w13 = nn.Parameter(torch.empty(n_experts, 2 * inter_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
@@ -291,8 +290,31 @@ class GroupedExperts(nn.Module):
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)  # group ends, as _grouped_mm wants
         blocks = self.weight_blocks
         gate_up = self.grouped_mm(x, w13.transpose(-2, -1), offsets, *blocks.get("w13", ()))  # [N, 2I]
-        gate, up = gate_up.split(self.inter_dim, dim=-1)
-        return self.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offsets, *blocks.get("w2", ()))  # [N, dim]
+        return self.grouped_mm(swiglu(gate_up), w2.transpose(-2, -1), offsets, *blocks.get("w2", ()))  # [N, dim]
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up of gate_up = [gate | up] [N, 2I]. On CUDA its backward is one Triton kernel
+    (`dsv3.swiglu_kernel`), where inductor's ran at under half the bandwidth."""
+    if gate_up.is_cuda:
+        return _SwiGLU.apply(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up):
+        ctx.save_for_backward(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        from dsv3.swiglu_kernel import swiglu_backward
+
+        (gate_up,) = ctx.saved_tensors
+        return swiglu_backward(gate_up, grad)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

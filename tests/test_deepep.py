@@ -45,9 +45,8 @@ def make_experts(seed: int = 0) -> GroupedExperts:
 
 def run_experts(experts: GroupedExperts, lo: int, hi: int, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Experts [lo, hi) of the stack, as an EP rank holding only those runs them."""
-    local = SimpleNamespace(w13=experts.w13[lo:hi], w2=experts.w2[lo:hi], inter_dim=experts.inter_dim,
-                            grouped_mm=experts.grouped_mm, gathers_copies=experts.gathers_copies,
-                            weight_blocks={})
+    local = SimpleNamespace(w13=experts.w13[lo:hi], w2=experts.w2[lo:hi], grouped_mm=experts.grouped_mm,
+                            gathers_copies=experts.gathers_copies, weight_blocks={})
     return GroupedExperts.forward(local, x, counts)
 
 
