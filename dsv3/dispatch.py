@@ -82,7 +82,7 @@ class AllToAllDispatcher:
         self.align = align
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 tokens_per_expert: torch.Tensor):
+                 tokens_per_expert: torch.Tensor) -> tuple[TokenCopies, torch.Tensor, Any]:
         order = topk_idx.flatten().argsort(stable=True)  # by expert, hence by destination rank
         send_x = x[order // topk_idx.size(1)]
         # received[src, e]: copies rank src sends to our local expert e
@@ -233,7 +233,7 @@ class DeepEPDispatcher:
         self.pending = None  # the event of the combine in flight
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 tokens_per_expert: torch.Tensor):
+                 tokens_per_expert: torch.Tensor) -> tuple[TokenCopies, torch.Tensor, Any]:
         recv_x, recv_weights, recv_idx, handle, n_rows = self._exchange(x, topk_idx, topk_weights)
         # compiled with the block: only the exchange itself runs eagerly
         order, expert_of_row, tokens_per_local_expert = expert_rows(recv_idx, self.n_local, n_rows)

@@ -302,18 +302,19 @@ def _fp8_tiles_kernel(x_ptr, source_rows_ptr, out_ptr, inv_scales_ptr, block_ama
     tl.store(block_amax_ptr + block_row.to(tl.int64) * K + cols, tl.max(col_amax, axis=0))
 
 
-# `flexible_layout`: inductor hands the op the buffer that made x. Under its default (exact strides), the gathered
-# token rows, read by this op and saved for `fp8_group_cols` in the backward, were written twice by the gather
-# (torch 2.11). The ops make x contiguous themselves, a no-op for the row-major buffers inductor makes.
+# `flexible_layout`: inductor hands the op the buffer that made x. Under its default (exact strides), an operand
+# read by this op and saved for `fp8_group_cols` in the backward (then: the gathered token rows) was written twice
+# by the kernel that made it (torch 2.11). The ops make x contiguous themselves, a no-op for inductor's row-major
+# buffers.
 @torch.library.custom_op("dsv3::fp8_tiles", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def fp8_tiles(x: torch.Tensor, source_rows: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [N, K] contiguous, K a multiple of 128 → (e4m3 [N, K], inverse scales [N, K/128] fp32, column amaxes
+    """x [N, K], K a multiple of 128 → (e4m3 [N, K], inverse scales [N, K/128] fp32, column amaxes
     [⌈N/128⌉, K] fp32): one power-of-two scale per 1×128 tile of a row (DeepSeek-V3 §3.3.2), in one read. The inverse
     scales are stored column-major, the layout DeepGEMM reads (it would otherwise transpose them). The column amaxes,
     each column's over each block of 128 rows, spare `fp8_group_cols` its own pass over the rows of x.
-    With `source_rows` [N] (int64), the operand's rows are x[source_rows] (−1: a zero row), gathered as they are
-    read: the rows of the experts' input are never written out in bf16."""
+    With `source_rows` [N] (int64), x is [T, K] and the operand's rows are x[source_rows] (−1: a zero row),
+    gathered as they are read: the rows of the experts' input are never written out in bf16."""
     x = x.contiguous()
     n, k = x.shape if source_rows is None else (source_rows.numel(), x.size(1))
     out = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=x.device)
@@ -373,8 +374,8 @@ def fp8_group_cols(x: torch.Tensor, offsets: torch.Tensor, block_amax: torch.Ten
     """x [N, F] row-major, its rows in groups ending at `offsets` [G] → (e4m3 [N, F] column-major, scales [G·F]):
     each group's column c ≈ e4m3 / scales[g·F + c], the layouts `torch._scaled_grouped_mm` takes for a weight
     gradient. With `block_amax` (`fp8_tiles`' column amaxes of x; every group then starts and ends at a multiple of
-    128 rows), the scales come from those, and x is read once instead of twice. With `source_rows`, as `fp8_tiles`:
-    the operand's rows are x[source_rows], gathered as they are read."""
+    128 rows), the scales come from those, and x is read once instead of twice. With `source_rows` [N], as
+    `fp8_tiles`: x is [T, F] and the operand's rows are x[source_rows], gathered as they are read."""
     x = x.contiguous()
     n, f = x.shape if source_rows is None else (source_rows.numel(), x.size(1))
     block_f = 32

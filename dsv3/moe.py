@@ -64,12 +64,12 @@ class LocalDispatcher:
 
     Interface shared by every dispatcher:
       dispatch(x [T, D], topk_idx [T, K], topk_weights [T, K], tokens_per_expert [E] of these tokens)
-          -> (expert_x: `TokenCopies` of [N, D] rows grouped by local expert, tokens_per_local_expert [E_local]
-              int64, ctx)
+          -> (copies: `TokenCopies` of the experts' [N, D] rows, grouped by local expert,
+              tokens_per_local_expert [E_local] int64, ctx)
       combine(expert_y [N, D], ctx) -> y [T, D] = Σ_k g_k · expert_y of token t's k-th copy
       wait(y) -> y, readable: combine may return while its exchange is still in flight (DeepEP), so that
           the shared experts overlap it; a no-op for the others
-      align: every group of expert_x starts at a multiple of it (`pad_order`); 1 = no padding, unless
+      align: every group of the copies starts at a multiple of it (`pad_order`); 1 = no padding, unless
           `pads_groups` says the device needs it.
     """
 
@@ -77,7 +77,7 @@ class LocalDispatcher:
         self.align = align  # set by dsv3.quant for the low-precision grouped GEMMs
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 tokens_per_expert: torch.Tensor):
+                 tokens_per_expert: torch.Tensor) -> tuple[TokenCopies, torch.Tensor, Any]:
         flat_idx = topk_idx.flatten()
         order = flat_idx.argsort(stable=True)  # token copies sorted by expert
         if pads_groups(self.align, x.device):
@@ -112,7 +112,8 @@ def pad_order(order: torch.Tensor, expert_of_row: torch.Tensor, counts: torch.Te
     and holds at least `align` rows: an expert without tokens gets zero rows, whose weight gradient is exactly zero,
     where a group of no rows gets a non-zero one from the bf16 `_grouped_mm` on B200 (pytorch #172439). torchao pads
     empty groups to the alignment the same way. The dispatchers pad the order, not the rows: `gather_token_copies`
-    then fills the buffer in one gather, padding rows (−1) zero.
+    (or the blockwise FP8 GEMM's quantization, `TokenCopies`) then fills the buffer in one gather, padding rows (−1)
+    zero.
 
     The buffer has M = round_up(N + E·align, align) rows, the most padding E groups can need, so no count reaches
     the host; an expert-parallel rank that received no tokens (N = 0) still runs its grouped GEMMs on real rows:
@@ -146,7 +147,8 @@ def _bucketed(size: int, align: int) -> int:
 class TokenCopies(NamedTuple):
     """What a dispatcher hands the experts: their input rows as source[order // topk] (−1: a zero row), not yet
     gathered. `GroupedExperts` gathers them (`gather_token_copies`), or, where its GEMM quantizes its input
-    (blockwise FP8), hands them to the GEMM, which gathers them as it quantizes them."""
+    (blockwise FP8: the GEMM has `takes_token_copies`), hands them to the GEMM, which gathers them as it quantizes
+    them."""
     source: torch.Tensor  # [T, D]
     order: torch.Tensor  # [N] the slot (token, k) of each row, −1 for a padding row
     topk: int
@@ -273,8 +275,6 @@ class GroupedExperts(nn.Module):
         # (x [N, K], w [E, K, M] a transposed view of a contiguous [E, M, K] stack, group ends [E] int32) → [N, M];
         # dsv3.quant swaps in a low-precision one (and sets the dispatcher's `align` to what it needs)
         self.grouped_mm = grouped_mm
-        # whether grouped_mm takes the dispatcher's `TokenCopies` as its x and gathers them itself
-        self.gathers_copies = False
         # name → that GEMM's own FP8 form of the weight, where something keeps it up to date (one GPU: the optimizer,
         # dsv3.optim.ComputeCopies), passed to the GEMM after the weight; empty: the GEMM quantizes the weights itself
         self.weight_blocks: dict[str, tuple[torch.Tensor, ...]] = {}
@@ -282,7 +282,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor | TokenCopies, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [N, dim] sorted by expert, or a dispatcher's `TokenCopies` of such rows; tokens_per_expert [E] on
         device (zeros allowed)."""
-        if isinstance(x, TokenCopies) and not self.gathers_copies:
+        if isinstance(x, TokenCopies) and not getattr(self.grouped_mm, "takes_token_copies", False):
             x = x.gather()
         w13, w2 = self.w13, self.w2
         if isinstance(w13, DTensor):  # expert parallelism: compute with this rank's slice of the stacks
@@ -290,19 +290,26 @@ class GroupedExperts(nn.Module):
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)  # group ends, as _grouped_mm wants
         blocks = self.weight_blocks
         gate_up = self.grouped_mm(x, w13.transpose(-2, -1), offsets, *blocks.get("w13", ()))  # [N, 2I]
-        return self.grouped_mm(swiglu(gate_up), w2.transpose(-2, -1), offsets, *blocks.get("w2", ()))  # [N, dim]
+        # a GEMM whose row quantization inductor fuses into SwiGLU's backward keeps that backward plain ops
+        triton_backward = not getattr(self.grouped_mm, "quantizes_in_inductor", False)
+        act = swiglu(gate_up, triton_backward)
+        return self.grouped_mm(act, w2.transpose(-2, -1), offsets, *blocks.get("w2", ()))  # [N, dim]
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) · up of gate_up = [gate | up] [N, 2I]. On CUDA its backward is one Triton kernel
-    (`dsv3.swiglu_kernel`), where inductor's ran at under half the bandwidth."""
-    if gate_up.is_cuda:
+def swiglu(gate_up: torch.Tensor, triton_backward: bool = True) -> torch.Tensor:
+    """silu(gate) · up of gate_up = [gate | up] [N, 2I]. On CUDA (below fp64), with `triton_backward`, its
+    backward is one Triton kernel (`dsv3.swiglu_kernel`), where inductor's ran at under half the bandwidth."""
+    if triton_backward and gate_up.is_cuda and gate_up.dtype != torch.float64:
+        import dsv3.swiglu_kernel  # noqa: F401  registers torch.ops.dsv3.swiglu_backward before any tracing of it
+
         return _SwiGLU.apply(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 class _SwiGLU(torch.autograd.Function):
+    """`swiglu` whose backward is `dsv3.swiglu_kernel.swiglu_backward`."""
+
     @staticmethod
     def forward(ctx, gate_up):
         ctx.save_for_backward(gate_up)
@@ -311,10 +318,8 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from dsv3.swiglu_kernel import swiglu_backward
-
         (gate_up,) = ctx.saved_tensors
-        return swiglu_backward(gate_up, grad)
+        return torch.ops.dsv3.swiglu_backward(gate_up, grad)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -360,9 +365,9 @@ class MoE(nn.Module):
         flat_idx = routing.topk_idx.flatten()
         tokens_per_expert = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)
         tokens_per_expert.scatter_add_(0, flat_idx, torch.ones_like(flat_idx))  # no host sync, unlike bincount
-        expert_x, local_tokens_per_expert, ctx = self.dispatcher.dispatch(
+        copies, local_tokens_per_expert, ctx = self.dispatcher.dispatch(
             x_flat, routing.topk_idx, routing.topk_weights, tokens_per_expert)
-        expert_y = self.experts(expert_x, local_tokens_per_expert)
+        expert_y = self.experts(copies, local_tokens_per_expert)
         y = self.dispatcher.combine(expert_y, ctx)  # may still be arriving: the shared experts overlap it
         shared = self.shared_experts(x_flat) if self.shared_experts is not None else None
         y = self.dispatcher.wait(y)

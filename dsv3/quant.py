@@ -171,7 +171,7 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
     """
     _check_modes(precision, expert_precision, fp8_recipe)
     if expert_precision == "fp8-blockwise":
-        _swap_expert_gemm(model, fp8_blockwise_grouped_mm, BLOCK, BLOCK, expert_precision, gathers=True)
+        _swap_expert_gemm(model, fp8_blockwise_grouped_mm, BLOCK, BLOCK, expert_precision)
     if precision == "bf16":
         return []
     eligible = convertible_linears(model, precision, fp8_min_features)
@@ -196,8 +196,7 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
     return names
 
 
-def _swap_expert_gemm(model: nn.Module, gemm, feature_multiple: int, align: int, what: str,
-                      gathers: bool = False) -> None:
+def _swap_expert_gemm(model: nn.Module, gemm, feature_multiple: int, align: int, what: str) -> None:
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         dim, inter_dim = moe.experts.w2.shape[1:]
         if dim % feature_multiple or inter_dim % feature_multiple:
@@ -205,7 +204,6 @@ def _swap_expert_gemm(model: nn.Module, gemm, feature_multiple: int, align: int,
                             f"({inter_dim}) divisible by {feature_multiple}: change them or use "
                             "--train.expert_precision=bf16")
         moe.experts.grouped_mm = gemm
-        moe.experts.gathers_copies = gathers
         moe.dispatcher.align = align
 
 
@@ -290,6 +288,9 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
         return grad_x, _fp8_rowwise_weight_grad(grad_out, x, offsets).transpose(-2, -1), None
 
 
+fp8_rowwise_grouped_mm.quantizes_in_inductor = True  # GroupedExperts keeps SwiGLU plain ops for it
+
+
 def _fp8_rowwise_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
                              grad_out_amax: torch.Tensor | None = None, x_amax: torch.Tensor | None = None,
                              x_source_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -341,6 +342,9 @@ def fp8_blockwise_grouped_mm(x: torch.Tensor | TokenCopies, w: torch.Tensor, off
     return _Fp8BlockwiseGroupedMM.apply(x, w, offsets, None, 1, *w_blocks)
 
 
+fp8_blockwise_grouped_mm.takes_token_copies = True  # GroupedExperts hands it the dispatcher's copies ungathered
+
+
 class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
     """out = x·w per group. The forward and the input gradient take DeepSeek-V3's scales (§3.3.2: 1×128 tiles of
     the token rows, 128×128 blocks of the weights: dsv3.fp8_kernels) through DeepGEMM's grouped GEMM; the weight
@@ -357,7 +361,7 @@ class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
         # column-major (a transposed view of [E, M, K])
         from dsv3.fp8_kernels import fp8_tiles, fp8_weight_blocks
 
-        source_rows = None if order is None else torch.where(order >= 0, order // topk, -1)
+        source_rows = None if order is None else order // topk  # padding: −1 // topk = −1
         x_fp8, x_inv_scales, x_amax = fp8_tiles(x, source_rows)
         # [E, M, K], [E, K, M], [E, M/128, K/128] (from [E, M, K]: w's memory)
         w_fp8, wt_fp8, w_inv_scales = w_blocks or fp8_weight_blocks(w.transpose(-2, -1).contiguous())

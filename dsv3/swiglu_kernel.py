@@ -16,19 +16,20 @@ ROWS, COLS, WARPS = 32, 128, 4  # the block of [N, I] one program takes, and its
 
 
 @triton.jit
-def _swiglu_backward_kernel(gate_up_ptr, grad_ptr, out_ptr, N, I, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _swiglu_backward_kernel(gate_up_ptr, grad_ptr, out_ptr, N, INTER, ROWS: tl.constexpr, COLS: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
-    mask = (rows < N)[:, None] & (cols < I)[None, :]
-    gate_at = rows.to(tl.int64)[:, None] * (2 * I) + cols[None, :]  # up at gate_at + I, in gate_up and out alike
+    mask = (rows < N)[:, None] & (cols < INTER)[None, :]
+    gate_at = rows.to(tl.int64)[:, None] * (2 * INTER) + cols[None, :]  # up at gate_at + INTER, in gate_up and out
     gate = tl.load(gate_up_ptr + gate_at, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + gate_at + I, mask=mask, other=0.0).to(tl.float32)
-    grad = tl.load(grad_ptr + rows.to(tl.int64)[:, None] * I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + gate_at + INTER, mask=mask, other=0.0).to(tl.float32)
+    grad = tl.load(grad_ptr + rows.to(tl.int64)[:, None] * INTER + cols[None, :], mask=mask,
+                   other=0.0).to(tl.float32)
     sigmoid = 1.0 / (1.0 + tl.exp(-gate))
     grad_gate = grad * up * sigmoid * (1.0 + gate * (1.0 - sigmoid))
     grad_up = grad * gate * sigmoid
     tl.store(out_ptr + gate_at, grad_gate.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptr + gate_at + I, grad_up.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + gate_at + INTER, grad_up.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @torch.library.custom_op("dsv3::swiglu_backward", mutates_args=())

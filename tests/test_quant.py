@@ -795,14 +795,15 @@ def test_fp8_quantization_kernels_gather_rows_as_they_read_them_bit_for_bit():
 
 
 @pytest.mark.gpu
-def test_fp8_blockwise_experts_take_the_dispatchers_token_copies_bit_for_bit():
+@pytest.mark.parametrize("n_tokens, topk", [(300, 3), (300, 1), (0, 3)])  # topk 1: all-to-all; 0: EP, none received
+def test_fp8_blockwise_experts_take_the_dispatchers_token_copies_bit_for_bit(n_tokens, topk):
     """`TokenCopies` (the rows gathered inside the GEMM's quantization) give the output and gradients of gathering
     the rows first, bit for bit, eager and compiled."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("DeepGEMM's FP8 kernels here are Hopper's")
     pytest.importorskip("deep_gemm", reason="scripts/install_deepgemm.sh builds it")
     torch.manual_seed(0)
-    n_tokens, topk, dim, inter = 300, 3, 256, 384
+    dim, inter = 256, 384
     counts = torch.bincount(torch.randint(0, 8, (n_tokens * topk,)), minlength=8)
     counts[1] = 0
     order = torch.randperm(n_tokens * topk)[:int(counts.sum())]
