@@ -298,11 +298,16 @@ class GroupedExperts(nn.Module):
 
 def swiglu(gate_up: torch.Tensor, triton_backward: bool = True) -> torch.Tensor:
     """silu(gate) · up of gate_up = [gate | up] [N, 2I]. On CUDA (below fp64), with `triton_backward`, its
-    backward is one Triton kernel (`dsv3.swiglu_kernel`), where inductor's ran at under half the bandwidth."""
+    backward is one Triton kernel (`dsv3.swiglu_kernel`), where inductor's ran at under half the bandwidth in the
+    step."""
     if triton_backward and gate_up.is_cuda and gate_up.dtype != torch.float64:
         import dsv3.swiglu_kernel  # noqa: F401  registers torch.ops.dsv3.swiglu_backward before any tracing of it
 
         return _SwiGLU.apply(gate_up)
+    return _silu_gate_times_up(gate_up)
+
+
+def _silu_gate_times_up(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -313,8 +318,7 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up):
         ctx.save_for_backward(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return _silu_gate_times_up(gate_up)
 
     @staticmethod
     def backward(ctx, grad):

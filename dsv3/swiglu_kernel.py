@@ -1,7 +1,8 @@
 """The routed experts' SwiGLU backward in one Triton kernel (`moe.swiglu`): from [gate | up] [N, 2I] and ∂a [N, I],
 ∂gate = ∂a · up · σ(gate) · (1 + gate · (1 − σ(gate))) and ∂up = ∂a · silu(gate), written into one [N, 2I] buffer.
-Inductor lowers that concatenation to one kernel whose every element selects its half, and it ran at under half the
-bandwidth (H200); here each program reads its block of gate, up and ∂a once and writes both halves.
+Inductor lowers that concatenation to one kernel whose every element selects its half, and in the training step it
+ran at under half the bandwidth (H200); here each program reads its block of gate, up and ∂a once and writes both
+halves.
 
 Imported only on CUDA: it needs triton.
 """
