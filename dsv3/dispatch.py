@@ -9,8 +9,8 @@ DeepEP's NVLink kernels (normal mode, intranode: every EP rank on one host, ep �
 DeepEP sends each token to a rank once, however many of its experts live there: `recv_x` [R, D] holds each
 received token once, `recv_topk_idx` [R, K] its top-k as *local* expert ids (−1: an expert on another rank).
 The expert side expands that to one row per (token, local expert), sorted by local expert for the grouped GEMM
-(`expert_rows`), and after the experts weights each row by its gate weight and sums a token's rows back into
-one (`moe.combine_token_copies`): DeepEP's combine is an unweighted sum over ranks, so it then yields
+(`expert_rows`), and the experts weight each row by its gate weight and sum a token's rows back into one
+(`moe.TokenCopies.weights`): DeepEP's combine is an unweighted sum over ranks, so it then yields
 y_t = Σ_ranks Σ_{k on that rank} g_t,k · FFN_k(x_t) on the token's own rank.
 
 Autograd: dispatch's backward is a combine (of the gradients of recv_x and of the gate weights), combine's
@@ -241,14 +241,14 @@ class DeepEPDispatcher:
         if pads_groups(self.align, x.device) or not n_rows:
             order, tokens_per_local_expert = pad_order(order, expert_of_row, tokens_per_local_expert, self.align,
                                                        bucket=True)
-        return TokenCopies(recv_x, order, recv_idx.size(1)), tokens_per_local_expert, (order, recv_weights, handle)
+        # the experts sum each received token's rows (`TokenCopies.weights`): one row per received token, R may be 0
+        # (R > 0 implies N > 0: DeepEP sends a token only to ranks that hold one of its experts); a gather of the N
+        # real rows, though other ranks' slots make R·K ≈ 2N at EP 2
+        return TokenCopies(recv_x, order, recv_idx.size(1), recv_weights), tokens_per_local_expert, handle
 
-    def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
-        """Starts the exchange and returns y before it has arrived: call `wait(y)` before reading y."""
-        order, recv_weights, handle = ctx
-        # one row per received token, R may be 0 (R > 0 implies N > 0: DeepEP sends a token only to ranks that
-        # hold one of its experts); a gather of the N real rows, though other ranks' slots make R·K ≈ 2N at EP 2
-        token_y = combine_token_copies(expert_y, order, recv_weights)  # [R, D]
+    def combine(self, token_y: torch.Tensor, handle: Any) -> torch.Tensor:
+        """token_y [R, D]: the experts' sums per received token. Starts the exchange and returns y before it has
+        arrived: call `wait(y)` before reading y."""
         return self._start_combine(token_y, handle)
 
     @torch.compiler.disable

@@ -21,7 +21,9 @@ Tiles (`quant.fp8_blockwise_grouped_mm`): one scale per 1×128 tile of a token r
 inductor split them into an amax kernel and a cast kernel, some of them below half the bandwidth. While the kernel
 reads the rows, it records each column's amax over each block of 128 rows, for the token groups' scales. The
 experts' input rows it gathers from the dispatcher's source as it reads them (`moe.TokenCopies`), as the token
-groups' kernel does in the backward: those rows are never written in bf16.
+groups' kernel does in the backward: those rows are never written in bf16. Nor is the gradient of the experts'
+output rows, where the experts sum them per token (y_t = Σ_k g_t,k · row): both kernels read it as ∂y_t · g_t,k, and
+the tiles' kernel also makes ∂g_t,k = ⟨∂y_t, row⟩ as it reads ∂y_t (`fp8_tiles_of_weighted_rows`).
 
 Token groups: the weight gradient grad_outᵀ · x takes both operands scaled per column within each expert's group
 and stored column-major. One program per group and block of 32 columns makes an amax pass over the group's rows,
@@ -281,8 +283,16 @@ def _source_rows(source_rows_ptr, rows, row_mask, GATHER: tl.constexpr):
 
 
 @triton.jit
-def _fp8_tiles_kernel(x_ptr, source_rows_ptr, out_ptr, inv_scales_ptr, block_amax_ptr, N, K,
-                      ROWS: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr):
+def _weighted(x, row_weights_ptr, rows, row_mask, dtype):
+    """x [R, C] fp32 (rows of x's `dtype`) times each row's weight, rounded to `dtype` as torch's product is."""
+    weight = tl.load(row_weights_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    return (x * weight[:, None]).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _fp8_tiles_kernel(x_ptr, source_rows_ptr, row_weights_ptr, dot_rows_ptr, dots_ptr, out_ptr, inv_scales_ptr,
+                      block_amax_ptr, N, K, ROWS: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr,
+                      WEIGHTED: tl.constexpr):
     block_row = tl.program_id(0)
     tile = tl.program_id(1)
     cols = tile * BLOCK + tl.arange(0, BLOCK)
@@ -293,10 +303,14 @@ def _fp8_tiles_kernel(x_ptr, source_rows_ptr, out_ptr, inv_scales_ptr, block_ama
         row_mask = rows < N
         x_rows, x_mask = _source_rows(source_rows_ptr, rows, row_mask, GATHER)
         x = tl.load(x_ptr + x_rows[:, None] * K + cols[None, :], mask=x_mask[:, None], other=0.0).to(tl.float32)
+        offsets = rows.to(tl.int64)[:, None] * K + cols[None, :]
+        if WEIGHTED:  # this tile's part of ⟨x row, dot_rows row⟩, then the row times its weight
+            dot_rows = tl.load(dot_rows_ptr + offsets, mask=row_mask[:, None], other=0.0).to(tl.float32)
+            tl.store(dots_ptr + tile * N + rows, tl.sum(x * dot_rows, axis=1), mask=row_mask)
+            x = _weighted(x, row_weights_ptr, rows, row_mask, x_ptr.dtype.element_ty)
         magnitude = tl.abs(x)
         col_amax = tl.maximum(col_amax, magnitude)
         scales = _pow2_scale(tl.max(magnitude, axis=1))
-        offsets = rows.to(tl.int64)[:, None] * K + cols[None, :]
         tl.store(out_ptr + offsets, _to_e4m3(x, scales[:, None]), mask=row_mask[:, None])
         tl.store(inv_scales_ptr + tile * N + rows, 1.0 / scales, mask=row_mask)
     tl.store(block_amax_ptr + block_row.to(tl.int64) * K + cols, tl.max(col_amax, axis=0))
@@ -321,8 +335,8 @@ def fp8_tiles(x: torch.Tensor, source_rows: torch.Tensor | None = None
     inv_scales = torch.empty(k // BLOCK, n, dtype=torch.float32, device=x.device)
     block_amax = torch.empty(triton.cdiv(n, BLOCK), k, dtype=torch.float32, device=x.device)
     _fp8_tiles_kernel[(triton.cdiv(n, BLOCK), k // BLOCK)](
-        x, x if source_rows is None else source_rows, out, inv_scales, block_amax, n, k, ROWS=TILE_ROWS,
-        BLOCK=BLOCK, GATHER=source_rows is not None, num_warps=TILE_WARPS)
+        x, x if source_rows is None else source_rows, x, x, x, out, inv_scales, block_amax, n, k, ROWS=TILE_ROWS,
+        BLOCK=BLOCK, GATHER=source_rows is not None, WEIGHTED=False, num_warps=TILE_WARPS)
     return out, inv_scales.t(), block_amax
 
 
@@ -334,10 +348,40 @@ def _(x: torch.Tensor, source_rows: torch.Tensor | None = None) -> tuple[torch.T
             x.new_empty(triton.cdiv(n, BLOCK), k, dtype=torch.float32))
 
 
+@torch.library.custom_op("dsv3::fp8_tiles_of_weighted_rows", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def fp8_tiles_of_weighted_rows(x: torch.Tensor, source_rows: torch.Tensor, row_weights: torch.Tensor,
+                               dot_rows: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`fp8_tiles` of the rows x[source_rows] · row_weights (each product rounded to x's dtype; −1: a zero row),
+    and beside them the dot products ⟨x[source_rows[i]], dot_rows[i]⟩ of the unweighted rows, in parts [K/128, N]
+    fp32 to be summed over the first dimension. The backward of y_t = Σ_k g_t,k · row in one read of each operand:
+    x = ∂y, row_weights the rows' gate weights, dot_rows the rows, the dots ∂g."""
+    x = x.contiguous()
+    n, k = source_rows.numel(), x.size(1)
+    out = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=x.device)
+    inv_scales = torch.empty(k // BLOCK, n, dtype=torch.float32, device=x.device)
+    block_amax = torch.empty(triton.cdiv(n, BLOCK), k, dtype=torch.float32, device=x.device)
+    dots = torch.empty(k // BLOCK, n, dtype=torch.float32, device=x.device)
+    _fp8_tiles_kernel[(triton.cdiv(n, BLOCK), k // BLOCK)](
+        x, source_rows, row_weights, dot_rows.contiguous(), dots, out, inv_scales, block_amax, n, k, ROWS=TILE_ROWS,
+        BLOCK=BLOCK, GATHER=True, WEIGHTED=True, num_warps=TILE_WARPS)
+    return out, inv_scales.t(), block_amax, dots
+
+
+@fp8_tiles_of_weighted_rows.register_fake
+def _(x: torch.Tensor, source_rows: torch.Tensor, row_weights: torch.Tensor, dot_rows: torch.Tensor
+      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, k = source_rows.numel(), x.size(1)
+    return (x.new_empty(n, k, dtype=torch.float8_e4m3fn),
+            x.new_empty(k // BLOCK, n, dtype=torch.float32).t(),
+            x.new_empty(triton.cdiv(n, BLOCK), k, dtype=torch.float32),
+            x.new_empty(k // BLOCK, n, dtype=torch.float32))
+
+
 @triton.jit
-def _fp8_group_cols_kernel(x_ptr, source_rows_ptr, offsets_ptr, block_amax_ptr, out_ptr, scales_ptr, N, F,
-                           BLOCK_ROWS: tl.constexpr, BLOCK_F: tl.constexpr, AMAX_ROWS: tl.constexpr,
-                           GATHER: tl.constexpr):
+def _fp8_group_cols_kernel(x_ptr, source_rows_ptr, row_weights_ptr, offsets_ptr, block_amax_ptr, out_ptr,
+                           scales_ptr, N, F, BLOCK_ROWS: tl.constexpr, BLOCK_F: tl.constexpr,
+                           AMAX_ROWS: tl.constexpr, GATHER: tl.constexpr, WEIGHTED: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
     group = tl.program_id(1)
     col_mask = cols < F
@@ -353,8 +397,10 @@ def _fp8_group_cols_kernel(x_ptr, source_rows_ptr, offsets_ptr, block_amax_ptr, 
             rows = first + tl.arange(0, BLOCK_ROWS)
             x_rows, x_mask = _source_rows(source_rows_ptr, rows, rows < end, GATHER)
             mask = x_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_ptr + x_rows[:, None] * F + cols[None, :], mask=mask, other=0.0)
-            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+            x = tl.load(x_ptr + x_rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if WEIGHTED:
+                x = _weighted(x, row_weights_ptr, rows, rows < end, x_ptr.dtype.element_ty)
+            amax = tl.maximum(amax, tl.abs(x))
         col_amax = tl.max(amax, axis=0)
     scales = _pow2_scale(col_amax)
     tl.store(scales_ptr + group * F + cols, scales, mask=col_mask)
@@ -362,7 +408,9 @@ def _fp8_group_cols_kernel(x_ptr, source_rows_ptr, offsets_ptr, block_amax_ptr, 
         rows = first + tl.arange(0, BLOCK_ROWS)
         x_rows, x_mask = _source_rows(source_rows_ptr, rows, rows < end, GATHER)
         x = tl.load(x_ptr + x_rows[:, None] * F + cols[None, :], mask=x_mask[:, None] & col_mask[None, :],
-                    other=0.0)
+                    other=0.0).to(tl.float32)
+        if WEIGHTED:
+            x = _weighted(x, row_weights_ptr, rows, rows < end, x_ptr.dtype.element_ty)
         x_fp8 = _to_e4m3(x, scales[None, :])
         tl.store(out_ptr + cols.to(tl.int64)[None, :] * N + rows[:, None], x_fp8,
                  mask=(rows < end)[:, None] & col_mask[None, :])
@@ -370,27 +418,31 @@ def _fp8_group_cols_kernel(x_ptr, source_rows_ptr, offsets_ptr, block_amax_ptr, 
 
 @torch.library.custom_op("dsv3::fp8_group_cols", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def fp8_group_cols(x: torch.Tensor, offsets: torch.Tensor, block_amax: torch.Tensor | None = None,
-                   source_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   source_rows: torch.Tensor | None = None, row_weights: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, F] row-major, its rows in groups ending at `offsets` [G] → (e4m3 [N, F] column-major, scales [G·F]):
     each group's column c ≈ e4m3 / scales[g·F + c], the layouts `torch._scaled_grouped_mm` takes for a weight
     gradient. With `block_amax` (`fp8_tiles`' column amaxes of x; every group then starts and ends at a multiple of
     128 rows), the scales come from those, and x is read once instead of twice. With `source_rows` [N], as
-    `fp8_tiles`: x is [T, F] and the operand's rows are x[source_rows], gathered as they are read."""
+    `fp8_tiles`: x is [T, F] and the operand's rows are x[source_rows], gathered as they are read; with
+    `row_weights` [N] too, as `fp8_tiles_of_weighted_rows`: x[source_rows] · row_weights."""
     x = x.contiguous()
     n, f = x.shape if source_rows is None else (source_rows.numel(), x.size(1))
     block_f = 32
     out = torch.empty_strided((n, f), (1, n), dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(offsets.numel() * f, dtype=torch.float32, device=x.device)
     _fp8_group_cols_kernel[(triton.cdiv(f, block_f), offsets.numel())](
-        x, x if source_rows is None else source_rows, offsets, x if block_amax is None else block_amax, out, scales,
-        n, f, BLOCK_ROWS=256, BLOCK_F=block_f, AMAX_ROWS=0 if block_amax is None else BLOCK,
-        GATHER=source_rows is not None, num_warps=4)
+        x, x if source_rows is None else source_rows, x if row_weights is None else row_weights, offsets,
+        x if block_amax is None else block_amax, out, scales, n, f, BLOCK_ROWS=256, BLOCK_F=block_f,
+        AMAX_ROWS=0 if block_amax is None else BLOCK, GATHER=source_rows is not None,
+        WEIGHTED=row_weights is not None, num_warps=4)
     return out, scales
 
 
 @fp8_group_cols.register_fake
 def _(x: torch.Tensor, offsets: torch.Tensor, block_amax: torch.Tensor | None = None,
-      source_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+      source_rows: torch.Tensor | None = None, row_weights: torch.Tensor | None = None
+      ) -> tuple[torch.Tensor, torch.Tensor]:
     n, f = x.shape if source_rows is None else (source_rows.numel(), x.size(1))
     return (torch.empty_strided((n, f), (1, n), dtype=torch.float8_e4m3fn, device=x.device),
             x.new_empty(offsets.numel() * f, dtype=torch.float32))

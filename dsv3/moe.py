@@ -66,7 +66,9 @@ class LocalDispatcher:
       dispatch(x [T, D], topk_idx [T, K], topk_weights [T, K], tokens_per_expert [E] of these tokens)
           -> (copies: `TokenCopies` of the experts' [N, D] rows, grouped by local expert,
               tokens_per_local_expert [E_local] int64, ctx)
-      combine(expert_y [N, D], ctx) -> y [T, D] = Σ_k g_k · expert_y of token t's k-th copy
+      combine(expert_y, ctx) -> y [T, D] = Σ_k g_k · (the experts' row of token t's k-th copy). expert_y is what
+          the experts return: the weighted sums per token where the copies carry `weights` (this dispatcher,
+          DeepEP's), else their [N, D] rows
       wait(y) -> y, readable: combine may return while its exchange is still in flight (DeepEP), so that
           the shared experts overlap it; a no-op for the others
       align: every group of the copies starts at a multiple of it (`pad_order`); 1 = no padding, unless
@@ -82,11 +84,10 @@ class LocalDispatcher:
         order = flat_idx.argsort(stable=True)  # token copies sorted by expert
         if pads_groups(self.align, x.device):
             order, tokens_per_expert = pad_order(order, flat_idx[order], tokens_per_expert, self.align)
-        return TokenCopies(x, order, topk_idx.size(1)), tokens_per_expert, (order, topk_weights)
+        return TokenCopies(x, order, topk_idx.size(1), topk_weights), tokens_per_expert, None
 
     def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
-        order, topk_weights = ctx
-        return combine_token_copies(expert_y, order, topk_weights)
+        return expert_y  # the experts summed each token's rows (`TokenCopies.weights`)
 
     def wait(self, y: torch.Tensor) -> torch.Tensor:
         return y
@@ -148,13 +149,20 @@ class TokenCopies(NamedTuple):
     """What a dispatcher hands the experts: their input rows as source[order // topk] (−1: a zero row), not yet
     gathered. `GroupedExperts` gathers them (`gather_token_copies`), or, where its GEMM quantizes its input
     (blockwise FP8: the GEMM has `takes_token_copies`), hands them to the GEMM, which gathers them as it quantizes
-    them."""
+    them. With `weights`, the experts return, instead of their rows, each token's weighted sum of its copies' rows
+    (`sum`), which a GEMM that quantizes its output's gradient (blockwise FP8: `sums_token_copies`) does itself, so
+    that its backward reads the rows' gradient from the tokens' as it quantizes it."""
     source: torch.Tensor  # [T, D]
     order: torch.Tensor  # [N] the slot (token, k) of each row, −1 for a padding row
     topk: int
+    weights: torch.Tensor | None = None  # [T, K] the gate weight of each slot (junk where no row holds the slot)
 
     def gather(self) -> torch.Tensor:
         return gather_token_copies(self.source, self.order, self.topk)
+
+    def sum(self, rows: torch.Tensor) -> torch.Tensor:
+        """[N, D] rows in `order` → [T, D] token rows, y_t = Σ_k g_t,k · (the row in slot (t, k))."""
+        return combine_token_copies(rows, self.order, self.weights)
 
 
 def gather_token_copies(x: torch.Tensor, order: torch.Tensor, topk: int) -> torch.Tensor:
@@ -242,11 +250,10 @@ class _WeightedRowSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, weights, row_of_slot, slot_of_row):
-        valid = row_of_slot >= 0
-        slot_weights = torch.where(valid, weights, 0.0).to(rows.dtype)  # [T, K]; junk weights of empty slots: 0
+        y, slot_weights = weighted_row_sum(rows, weights, row_of_slot)
         ctx.save_for_backward(rows, slot_weights, row_of_slot, slot_of_row)
         ctx.weights_dtype = weights.dtype
-        return _sum_rows_of_slots(rows, row_of_slot, slot_weights)
+        return y
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -260,8 +267,20 @@ class _WeightedRowSum(torch.autograd.Function):
         # ∂g_t,k = ⟨∂y_t, row⟩, reduced row by row in the rows' order, beside grad_rows (one kernel reads both)
         wide = _at_least_fp32(rows.dtype)
         grad_weight_of_row = (grad_y_of_row.to(wide) * rows.to(wide)).sum(dim=-1)  # [N]
-        grad_weights = torch.where(row_of_slot >= 0, grad_weight_of_row[row_of_slot.clamp(min=0)], 0.0)  # [T, K]
-        return grad_rows, grad_weights.to(ctx.weights_dtype), None, None
+        return grad_rows, slot_gradients(grad_weight_of_row, row_of_slot, ctx.weights_dtype), None, None
+
+
+def weighted_row_sum(rows: torch.Tensor, weights: torch.Tensor, row_of_slot: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """y_t = Σ_k g_t,k · rows[row_of_slot[t, k]] [T, D], and the slots' weights [T, K] in the rows' dtype that it
+    multiplied (0 where no row holds the slot: the junk weights of other ranks' experts under DeepEP)."""
+    slot_weights = torch.where(row_of_slot >= 0, weights, 0.0).to(rows.dtype)
+    return _sum_rows_of_slots(rows, row_of_slot, slot_weights), slot_weights
+
+
+def slot_gradients(grad_of_row: torch.Tensor, row_of_slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per-row values [N] (∂g = ⟨∂y_t, row⟩) → the slots' [T, K] in `dtype`, 0 where no row holds the slot."""
+    return torch.where(row_of_slot >= 0, grad_of_row[row_of_slot.clamp(min=0)], 0.0).to(dtype)
 
 
 class GroupedExperts(nn.Module):
@@ -281,7 +300,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor | TokenCopies, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [N, dim] sorted by expert, or a dispatcher's `TokenCopies` of such rows; tokens_per_expert [E] on
-        device (zeros allowed)."""
+        device (zeros allowed). Returns [N, dim] rows, or, for copies with `weights`, [T, dim] token sums."""
+        copies = x if isinstance(x, TokenCopies) and x.weights is not None else None
         if isinstance(x, TokenCopies) and not getattr(self.grouped_mm, "takes_token_copies", False):
             x = x.gather()
         w13, w2 = self.w13, self.w2
@@ -293,7 +313,10 @@ class GroupedExperts(nn.Module):
         # a GEMM whose row quantization inductor fuses into SwiGLU's backward keeps that backward plain ops
         triton_backward = not getattr(self.grouped_mm, "quantizes_in_inductor", False)
         act = swiglu(gate_up, triton_backward)
-        return self.grouped_mm(act, w2.transpose(-2, -1), offsets, *blocks.get("w2", ()))  # [N, dim]
+        if copies is not None and getattr(self.grouped_mm, "sums_token_copies", False):
+            return self.grouped_mm(act, w2.transpose(-2, -1), offsets, *blocks.get("w2", ()), sum_copies=copies)
+        rows = self.grouped_mm(act, w2.transpose(-2, -1), offsets, *blocks.get("w2", ()))  # [N, dim]
+        return rows if copies is None else copies.sum(rows)
 
 
 def swiglu(gate_up: torch.Tensor, triton_backward: bool = True) -> torch.Tensor:

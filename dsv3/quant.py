@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from dsv3.config import UserError
-from dsv3.moe import MoE, TokenCopies, sum_token_copies
+from dsv3.moe import MoE, TokenCopies, row_of_slot, slot_gradients, sum_token_copies, weighted_row_sum
 
 PRECISIONS = ("bf16", "fp8", "mxfp8", "mxfp8-emulated")
 EXPERT_PRECISIONS = ("bf16", "low", "fp8-blockwise")
@@ -293,13 +293,15 @@ fp8_rowwise_grouped_mm.quantizes_in_inductor = True  # GroupedExperts keeps SwiG
 
 def _fp8_rowwise_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
                              grad_out_amax: torch.Tensor | None = None, x_amax: torch.Tensor | None = None,
-                             x_source_rows: torch.Tensor | None = None) -> torch.Tensor:
+                             x_source_rows: torch.Tensor | None = None,
+                             grad_out_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """grad_w [E, M, K] = grad_outᵀ · x per group, both quantized along the tokens, within each expert's group
     (`*_amax`: the operand's column amaxes per 128-row block, from `fp8_tiles`; `x_source_rows`: x's rows are
-    x[x_source_rows], as `fp8_tiles` takes them)."""
+    x[x_source_rows], as `fp8_tiles` takes them; `grad_out_rows` (source rows, row weights): grad_out's rows are
+    grad_out[source rows] · row weights, as `fp8_tiles_of_weighted_rows` takes them)."""
     from dsv3.fp8_kernels import fp8_group_cols
 
-    g_cols, g_col_scales = fp8_group_cols(grad_out, offsets, grad_out_amax)
+    g_cols, g_col_scales = fp8_group_cols(grad_out, offsets, grad_out_amax, *(grad_out_rows or ()))
     x_cols, x_col_scales = fp8_group_cols(x, offsets, x_amax, x_source_rows)
     return torch._scaled_grouped_mm(g_cols.t(), x_cols, g_col_scales.reciprocal(), x_col_scales.reciprocal(),
                                     offsets, out_dtype=grad_out.dtype, use_fast_accum=True)
@@ -331,18 +333,21 @@ def _(a, a_inv_scales, b, b_inv_scales, groups):
 
 
 def fp8_blockwise_grouped_mm(x: torch.Tensor | TokenCopies, w: torch.Tensor, offsets: torch.Tensor,
-                             *w_blocks: torch.Tensor) -> torch.Tensor:
+                             *w_blocks: torch.Tensor, sum_copies: TokenCopies | None = None) -> torch.Tensor:
     """Routed-expert GEMM in DeepSeek-V3's FP8 recipe; groups must start at multiples of 128 rows (the dispatcher
     pads them). x: the rows, or a dispatcher's `TokenCopies` of them, which the quantization gathers as it reads
     them (the bf16 rows are never written). `w_blocks`: what `fp8_kernels.fp8_weight_blocks` makes of w's bf16
     values, if something keeps it (`GroupedExperts.weight_blocks`); w's values are then not read, only its gradient
-    is made."""
-    if isinstance(x, TokenCopies):
-        return _Fp8BlockwiseGroupedMM.apply(x.source, w, offsets, x.order, x.topk, *w_blocks)
-    return _Fp8BlockwiseGroupedMM.apply(x, w, offsets, None, 1, *w_blocks)
+    is made. `sum_copies` (copies with `weights`, whose order the output rows follow): returns `sum_copies.sum` of
+    the output, whose backward reads the rows' gradient from the tokens' as it quantizes it (never written)."""
+    order, topk = (x.order, x.topk) if isinstance(x, TokenCopies) else (None, 1)
+    source = x.source if isinstance(x, TokenCopies) else x
+    sum_order, sum_weights = (None, None) if sum_copies is None else (sum_copies.order, sum_copies.weights)
+    return _Fp8BlockwiseGroupedMM.apply(source, w, offsets, order, topk, sum_order, sum_weights, *w_blocks)
 
 
 fp8_blockwise_grouped_mm.takes_token_copies = True  # GroupedExperts hands it the dispatcher's copies ungathered
+fp8_blockwise_grouped_mm.sums_token_copies = True  # and has it sum its output per token (`sum_copies`)
 
 
 class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
@@ -352,11 +357,14 @@ class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
     torch's grouped GEMM ran it faster than DeepGEMM's k-grouped one, which writes fp32. Those scales come from the
     column amaxes that the tiles' kernel records while it reads each operand (its groups start at multiples of 128
     rows, the tiles' blocks), so the weight gradient's quantization reads each operand once. With `order`, the rows
-    are x[order // topk] (`TokenCopies`), read so by both quantizations, and x's gradient sums its copies'."""
+    are x[order // topk] (`TokenCopies`), read so by both quantizations, and x's gradient sums its copies'. With
+    `sum_order`, the output is y_t = Σ_k g_t,k · (out's row in slot (t, k)) (`moe.combine_token_copies`), and
+    both quantizations read out's gradient as ∂y_t · g_t,k, the tiles' kernel making ∂g_t,k = ⟨∂y_t, row⟩ beside."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor | None,
-                topk: int, *w_blocks: torch.Tensor) -> torch.Tensor:
+                topk: int, sum_order: torch.Tensor | None, sum_weights: torch.Tensor | None,
+                *w_blocks: torch.Tensor) -> torch.Tensor:
         # x [N, K] row-major (with `order`: [T, K], the rows' source); w [E, K, M], each expert's matrix
         # column-major (a transposed view of [E, M, K])
         from dsv3.fp8_kernels import fp8_tiles, fp8_weight_blocks
@@ -366,25 +374,45 @@ class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
         # [E, M, K], [E, K, M], [E, M/128, K/128] (from [E, M, K]: w's memory)
         w_fp8, wt_fp8, w_inv_scales = w_blocks or fp8_weight_blocks(w.transpose(-2, -1).contiguous())
         groups = group_of_row(offsets, x_fp8.size(0))
-        ctx.save_for_backward(x, x_amax, wt_fp8, w_inv_scales, offsets, groups, order, source_rows)
         ctx.n_blocks, ctx.topk = len(w_blocks), topk
         # DeepGEMM's output itself: returning an alias of it (`.to` of its own dtype) lost the gradient under
         # torch.compile (torch 2.11)
-        return fp8_block_grouped_mm(x_fp8, x_inv_scales, w_fp8, w_inv_scales, groups)
+        out = fp8_block_grouped_mm(x_fp8, x_inv_scales, w_fp8, w_inv_scales, groups)
+        saved = (x, x_amax, wt_fp8, w_inv_scales, offsets, groups, order, source_rows)
+        if sum_order is None:
+            ctx.save_for_backward(*saved)
+            return out
+        rows_of_token = row_of_slot(sum_order, sum_weights.numel()).view(sum_weights.shape)
+        y, slot_weights = weighted_row_sum(out, sum_weights, rows_of_token)
+        ctx.save_for_backward(*saved, out, sum_order, slot_weights, rows_of_token)
+        ctx.weights_dtype = sum_weights.dtype
+        return y
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        from dsv3.fp8_kernels import fp8_tiles
+        from dsv3.fp8_kernels import fp8_tiles, fp8_tiles_of_weighted_rows
 
-        x, x_amax, wt_fp8, w_inv_scales, offsets, groups, order, source_rows = ctx.saved_tensors
+        x, x_amax, wt_fp8, w_inv_scales, offsets, groups, order, source_rows, *summed = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        g_fp8, g_inv_scales, g_amax = fp8_tiles(grad_out)
+        grad_out_rows = grad_sum_weights = None
+        if not summed:
+            g_fp8, g_inv_scales, g_amax = fp8_tiles(grad_out)
+        else:  # grad_out is ∂y [T, M]: out's row in slot (t, k) has ∂y_t · g_t,k
+            out, sum_order, slot_weights, rows_of_token = summed
+            if slot_weights.numel():
+                row_weights = torch.where(sum_order >= 0, slot_weights.flatten()[sum_order.clamp(min=0)], 0)
+            else:  # no tokens (EP: a rank that received none): padding rows only
+                row_weights = slot_weights.new_zeros(sum_order.shape)
+            grad_out_rows = (sum_order // rows_of_token.size(1), row_weights)  # padding: −1, read as a zero row
+            g_fp8, g_inv_scales, g_amax, dots = fp8_tiles_of_weighted_rows(grad_out, *grad_out_rows, out)
+            grad_sum_weights = slot_gradients(dots.sum(0), rows_of_token, ctx.weights_dtype)
         grad_x = fp8_block_grouped_mm(g_fp8, g_inv_scales, wt_fp8, w_inv_scales.transpose(-2, -1).contiguous(),
                                       groups)
         if order is not None:
             grad_x = sum_token_copies(grad_x, order, ctx.topk, x.size(0))
-        grad_w = _fp8_rowwise_weight_grad(grad_out, x, offsets, g_amax, x_amax, source_rows).transpose(-2, -1)
-        return grad_x, grad_w, None, None, None, *(None,) * ctx.n_blocks
+        grad_w = _fp8_rowwise_weight_grad(grad_out, x, offsets, g_amax, x_amax, source_rows,
+                                          grad_out_rows).transpose(-2, -1)
+        return grad_x, grad_w, None, None, None, None, grad_sum_weights, *(None,) * ctx.n_blocks
 
 
 def mxfp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, emulated: bool) -> torch.Tensor:

@@ -38,7 +38,10 @@ def time_layer(dispatcher, x0: torch.Tensor, topk_idx: torch.Tensor, weights0: t
         copies, tokens_per_local_expert, ctx = dispatcher.dispatch(x, topk_idx, weights, tokens_per_expert)
         expert_x = copies.gather()
         events[1].record()
-        y = dispatcher.wait(dispatcher.combine(expert_x * 1.0, ctx))  # * 1.0: the experts' output is a new tensor
+        expert_y = expert_x * 1.0  # identity experts, whose output is a new tensor
+        if copies.weights is not None:  # the experts sum each token's rows (DeepEP)
+            expert_y = copies.sum(expert_y)
+        y = dispatcher.wait(dispatcher.combine(expert_y, ctx))
         events[2].record()
         if backward:
             y.float().sum().backward()

@@ -828,6 +828,52 @@ def test_fp8_blockwise_experts_take_the_dispatchers_token_copies_bit_for_bit(n_t
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n_tokens, topk", [(300, 3), (0, 3)])  # 0: EP, a rank that received no tokens
+def test_fp8_blockwise_experts_sum_their_output_per_token_as_the_unfused_sum(n_tokens, topk):
+    """`sum_copies` (the token sums made by the GEMM, whose backward quantizes ∂y_t · g_t,k as it reads ∂y) gives
+    the output and the rows' and weights' gradients of summing the GEMM's output afterwards, bit for bit; the gate
+    weights' within fp32 rounding (another order of summation), eager and compiled. Slots of expert 1 hold no row
+    (DeepEP: another rank's expert), their weights junk."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("DeepGEMM's FP8 kernels here are Hopper's")
+    pytest.importorskip("deep_gemm", reason="scripts/install_deepgemm.sh builds it")
+    torch.manual_seed(0)
+    dim, inter = 256, 384
+    experts = torch.randint(0, 8, (n_tokens * topk,))
+    counts = torch.bincount(experts, minlength=8)
+    slots = torch.argsort(experts, stable=True)[:int(counts[0])].tolist() + \
+        torch.argsort(experts, stable=True)[int(counts[:2].sum()):].tolist()  # expert 1's slots: no row
+    counts[1] = 0
+    order, padded = pad_order(torch.tensor(slots, dtype=torch.int64), torch.repeat_interleave(torch.arange(8), counts),
+                              counts, 128)
+    order, offsets = order.cuda(), padded.cumsum(0).to(torch.int32).cuda()
+    x0 = torch.randn(order.numel(), inter, device="cuda", dtype=torch.bfloat16)
+    gate0 = torch.rand(n_tokens, topk, device="cuda")
+    w = (torch.randn(8, dim, inter, device="cuda") * 0.05).bfloat16().requires_grad_()
+    grad = torch.randn(n_tokens, dim, device="cuda", dtype=torch.bfloat16)
+
+    def fused(x, w, copies):
+        return quant.fp8_blockwise_grouped_mm(x, w.transpose(-2, -1), offsets, sum_copies=copies)
+
+    def unfused(x, w, copies):
+        return copies.sum(quant.fp8_blockwise_grouped_mm(x, w.transpose(-2, -1), offsets))
+
+    def run(experts):
+        x, gate = x0.clone().requires_grad_(), gate0.clone().requires_grad_()
+        w.grad = None
+        y = experts(x, w, TokenCopies(x0[:0], order, topk, gate))
+        y.backward(grad)
+        return y, x.grad[order >= 0], w.grad, gate.grad  # padding rows' gradients are junk under DeepGEMM
+
+    for wrap in (lambda f: f, torch.compile):  # both compiled: inductor's sum of the copies differs from eager's
+        *ours, ours_gate = run(wrap(fused))
+        *theirs, theirs_gate = run(wrap(unfused))
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b)
+        torch.testing.assert_close(ours_gate, theirs_gate, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_linears_never_wait_for_the_gpu(recipe):
     """No .item(), .tolist() or data-dependent branch in torchao's scaling: the host never waits for a step."""
