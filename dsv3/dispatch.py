@@ -241,9 +241,8 @@ class DeepEPDispatcher:
         if pads_groups(self.align, x.device) or not n_rows:
             order, tokens_per_local_expert = pad_order(order, expert_of_row, tokens_per_local_expert, self.align,
                                                        bucket=True)
-        # the experts sum each received token's rows (`TokenCopies.weights`): one row per received token, R may be 0
-        # (R > 0 implies N > 0: DeepEP sends a token only to ranks that hold one of its experts); a gather of the N
-        # real rows, though other ranks' slots make R·K ≈ 2N at EP 2
+        # the experts sum each received token's rows (`TokenCopies.weights`) into one row per received token (R may be
+        # 0; R > 0 implies N > 0: DeepEP sends a token only to ranks that hold one of its experts)
         return TokenCopies(recv_x, order, recv_idx.size(1), recv_weights), tokens_per_local_expert, handle
 
     def combine(self, token_y: torch.Tensor, handle: Any) -> torch.Tensor:

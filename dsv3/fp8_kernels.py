@@ -354,9 +354,10 @@ def fp8_tiles_of_weighted_rows(x: torch.Tensor, source_rows: torch.Tensor, row_w
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`fp8_tiles` of the rows x[source_rows] · row_weights (each product rounded to x's dtype; −1: a zero row),
     and beside them the dot products ⟨x[source_rows[i]], dot_rows[i]⟩ of the unweighted rows, in parts [K/128, N]
-    fp32 to be summed over the first dimension. The backward of y_t = Σ_k g_t,k · row in one read of each operand:
-    x = ∂y, row_weights the rows' gate weights, dot_rows the rows, the dots ∂g."""
-    x = x.contiguous()
+    fp32 to be summed over the first dimension (junk for a −1 row, whose dot_rows row may be unwritten). The backward
+    of y_t = Σ_k g_t,k · row in one read of each operand: x = ∂y, row_weights the rows' gate weights, dot_rows the
+    rows, the dots ∂g."""
+    x, source_rows, row_weights = x.contiguous(), source_rows.contiguous(), row_weights.contiguous()
     n, k = source_rows.numel(), x.size(1)
     out = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=x.device)
     inv_scales = torch.empty(k // BLOCK, n, dtype=torch.float32, device=x.device)

@@ -849,6 +849,7 @@ def test_fp8_blockwise_experts_sum_their_output_per_token_as_the_unfused_sum(n_t
     order, offsets = order.cuda(), padded.cumsum(0).to(torch.int32).cuda()
     x0 = torch.randn(order.numel(), inter, device="cuda", dtype=torch.bfloat16)
     gate0 = torch.rand(n_tokens, topk, device="cuda")
+    gate0.view(-1)[torch.nonzero(experts == 1).squeeze(1).cuda()] = 7.0  # junk: no row holds these slots
     w = (torch.randn(8, dim, inter, device="cuda") * 0.05).bfloat16().requires_grad_()
     grad = torch.randn(n_tokens, dim, device="cuda", dtype=torch.bfloat16)
 
