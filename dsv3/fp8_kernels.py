@@ -329,23 +329,12 @@ def fp8_tiles(x: torch.Tensor, source_rows: torch.Tensor | None = None
     each column's over each block of 128 rows, spare `fp8_group_cols` its own pass over the rows of x.
     With `source_rows` [N] (int64), x is [T, K] and the operand's rows are x[source_rows] (−1: a zero row),
     gathered as they are read: the rows of the experts' input are never written out in bf16."""
-    x = x.contiguous()
-    n, k = x.shape if source_rows is None else (source_rows.numel(), x.size(1))
-    out = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=x.device)
-    inv_scales = torch.empty(k // BLOCK, n, dtype=torch.float32, device=x.device)
-    block_amax = torch.empty(triton.cdiv(n, BLOCK), k, dtype=torch.float32, device=x.device)
-    _fp8_tiles_kernel[(triton.cdiv(n, BLOCK), k // BLOCK)](
-        x, x if source_rows is None else source_rows, x, x, x, out, inv_scales, block_amax, n, k, ROWS=TILE_ROWS,
-        BLOCK=BLOCK, GATHER=source_rows is not None, WEIGHTED=False, num_warps=TILE_WARPS)
-    return out, inv_scales.t(), block_amax
+    return _tiles(x, source_rows)[:3]
 
 
 @fp8_tiles.register_fake
 def _(x: torch.Tensor, source_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n, k = x.shape if source_rows is None else (source_rows.numel(), x.size(1))
-    return (x.new_empty(n, k, dtype=torch.float8_e4m3fn),
-            x.new_empty(k // BLOCK, n, dtype=torch.float32).t(),
-            x.new_empty(triton.cdiv(n, BLOCK), k, dtype=torch.float32))
+    return _tiles_like(x, source_rows)[:3]
 
 
 @torch.library.custom_op("dsv3::fp8_tiles_of_weighted_rows", mutates_args=(), tags=(torch.Tag.flexible_layout,))
@@ -357,26 +346,50 @@ def fp8_tiles_of_weighted_rows(x: torch.Tensor, source_rows: torch.Tensor, row_w
     fp32 to be summed over the first dimension (junk for a −1 row, whose dot_rows row may be unwritten). The backward
     of y_t = Σ_k g_t,k · row in one read of each operand: x = ∂y, row_weights the rows' gate weights, dot_rows the
     rows, the dots ∂g."""
-    x, source_rows, row_weights = x.contiguous(), source_rows.contiguous(), row_weights.contiguous()
-    n, k = source_rows.numel(), x.size(1)
-    out = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=x.device)
-    inv_scales = torch.empty(k // BLOCK, n, dtype=torch.float32, device=x.device)
-    block_amax = torch.empty(triton.cdiv(n, BLOCK), k, dtype=torch.float32, device=x.device)
-    dots = torch.empty(k // BLOCK, n, dtype=torch.float32, device=x.device)
-    _fp8_tiles_kernel[(triton.cdiv(n, BLOCK), k // BLOCK)](
-        x, source_rows, row_weights, dot_rows.contiguous(), dots, out, inv_scales, block_amax, n, k, ROWS=TILE_ROWS,
-        BLOCK=BLOCK, GATHER=True, WEIGHTED=True, num_warps=TILE_WARPS)
-    return out, inv_scales.t(), block_amax, dots
+    return _tiles(x, source_rows.contiguous(), row_weights.contiguous(), dot_rows.contiguous())
 
 
 @fp8_tiles_of_weighted_rows.register_fake
 def _(x: torch.Tensor, source_rows: torch.Tensor, row_weights: torch.Tensor, dot_rows: torch.Tensor
       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    n, k = source_rows.numel(), x.size(1)
+    return _tiles_like(x, source_rows)
+
+
+def _tiles_like(x: torch.Tensor, source_rows: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty outputs of the tile ops: e4m3 [N, K], inverse scales [K/128, N]ᵀ, column amaxes, dot parts [K/128, N]."""
+    n, k = x.shape if source_rows is None else (source_rows.numel(), x.size(1))
     return (x.new_empty(n, k, dtype=torch.float8_e4m3fn),
             x.new_empty(k // BLOCK, n, dtype=torch.float32).t(),
             x.new_empty(triton.cdiv(n, BLOCK), k, dtype=torch.float32),
             x.new_empty(k // BLOCK, n, dtype=torch.float32))
+
+
+def _tiles(x: torch.Tensor, source_rows: torch.Tensor | None, row_weights: torch.Tensor | None = None,
+           dot_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_fp8_tiles_kernel` for both tile ops; with `row_weights` and `dot_rows`, `fp8_tiles_of_weighted_rows`."""
+    x = x.contiguous()
+    out, inv_scales_t, block_amax, dots = _tiles_like(x, source_rows)
+    n, k = out.shape
+    weighted = row_weights is not None
+    _fp8_tiles_kernel[(triton.cdiv(n, BLOCK), k // BLOCK)](
+        x, x if source_rows is None else source_rows, row_weights if weighted else x, dot_rows if weighted else x,
+        dots, out, inv_scales_t, block_amax, n, k, ROWS=TILE_ROWS, BLOCK=BLOCK, GATHER=source_rows is not None,
+        WEIGHTED=weighted, num_warps=TILE_WARPS)
+    return out, inv_scales_t, block_amax, dots
+
+
+@triton.jit
+def _group_rows(x_ptr, source_rows_ptr, row_weights_ptr, rows, row_mask, cols, col_mask, F, GATHER: tl.constexpr,
+                WEIGHTED: tl.constexpr):
+    """The operand's `rows` at `cols` in fp32, zero where masked: x's own, or gathered (GATHER), times the rows'
+    weights (WEIGHTED)."""
+    x_rows, x_mask = _source_rows(source_rows_ptr, rows, row_mask, GATHER)
+    x = tl.load(x_ptr + x_rows[:, None] * F + cols[None, :], mask=x_mask[:, None] & col_mask[None, :],
+                other=0.0).to(tl.float32)
+    if WEIGHTED:
+        x = _weighted(x, row_weights_ptr, rows, row_mask, x_ptr.dtype.element_ty)
+    return x
 
 
 @triton.jit
@@ -396,22 +409,16 @@ def _fp8_group_cols_kernel(x_ptr, source_rows_ptr, row_weights_ptr, offsets_ptr,
         amax = tl.zeros([BLOCK_ROWS, BLOCK_F], tl.float32)  # reduced over its rows once, at the end
         for first in range(start, end, BLOCK_ROWS):
             rows = first + tl.arange(0, BLOCK_ROWS)
-            x_rows, x_mask = _source_rows(source_rows_ptr, rows, rows < end, GATHER)
-            mask = x_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_ptr + x_rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            if WEIGHTED:
-                x = _weighted(x, row_weights_ptr, rows, rows < end, x_ptr.dtype.element_ty)
+            x = _group_rows(x_ptr, source_rows_ptr, row_weights_ptr, rows, rows < end, cols, col_mask, F, GATHER,
+                            WEIGHTED)
             amax = tl.maximum(amax, tl.abs(x))
         col_amax = tl.max(amax, axis=0)
     scales = _pow2_scale(col_amax)
     tl.store(scales_ptr + group * F + cols, scales, mask=col_mask)
     for first in range(start, end, BLOCK_ROWS):
         rows = first + tl.arange(0, BLOCK_ROWS)
-        x_rows, x_mask = _source_rows(source_rows_ptr, rows, rows < end, GATHER)
-        x = tl.load(x_ptr + x_rows[:, None] * F + cols[None, :], mask=x_mask[:, None] & col_mask[None, :],
-                    other=0.0).to(tl.float32)
-        if WEIGHTED:
-            x = _weighted(x, row_weights_ptr, rows, rows < end, x_ptr.dtype.element_ty)
+        x = _group_rows(x_ptr, source_rows_ptr, row_weights_ptr, rows, rows < end, cols, col_mask, F, GATHER,
+                        WEIGHTED)
         x_fp8 = _to_e4m3(x, scales[None, :])
         tl.store(out_ptr + cols.to(tl.int64)[None, :] * N + rows[:, None], x_fp8,
                  mask=(rows < end)[:, None] & col_mask[None, :])

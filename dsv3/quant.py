@@ -399,10 +399,8 @@ class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
             g_fp8, g_inv_scales, g_amax = fp8_tiles(grad_out)
         else:  # grad_out is ∂y [T, M]: out's row in slot (t, k) has ∂y_t · g_t,k
             out, sum_order, slot_weights, rows_of_token = summed
-            if slot_weights.numel():
-                row_weights = torch.where(sum_order >= 0, slot_weights.flatten()[sum_order.clamp(min=0)], 0)
-            else:  # no tokens (EP: a rank that received none): padding rows only
-                row_weights = slot_weights.new_zeros(sum_order.shape)
+            # a padding row's order, −1, reads the zero appended (T may be 0: EP, a rank that received no tokens)
+            row_weights = torch.cat([slot_weights.flatten(), slot_weights.new_zeros(1)])[sum_order]
             grad_out_rows = (sum_order // rows_of_token.size(1), row_weights)  # padding: −1, read as a zero row
             g_fp8, g_inv_scales, g_amax, dots = fp8_tiles_of_weighted_rows(grad_out, *grad_out_rows, out)
             grad_sum_weights = slot_gradients(dots.sum(0), rows_of_token, ctx.weights_dtype)
