@@ -1,7 +1,7 @@
 """Triton kernels that quantize the routed experts' operands for their FP8 grouped GEMMs
 (`quant.fp8_rowwise_grouped_mm`, `quant.fp8_blockwise_grouped_mm`) where inductor cannot: the weights along each
 axis or in blocks, the token rows in 1×128 tiles, and the weight gradient's token rows along the tokens of each
-expert's group. (The token rows' whole-row scales are plain torch ops, fused by inductor into the kernels that make
+expert's group; and the tensorwise dense linears' operands (`quant.Fp8TensorwiseLinear`). (The token rows' whole-row scales are plain torch ops, fused by inductor into the kernels that make
 them.) Scales are powers of two, 2^⌊log2(448 / amax)⌋, as `quant.to_fp8_rowwise`'s and torchao's, and the rowwise
 results are theirs bit for bit.
 
@@ -31,10 +31,17 @@ then a cast pass, 256 rows at a time: of the launches tried on an H200 (README, 
 tiles' kernel has read the operand (blockwise experts, whose groups are whole blocks of 128 rows), its column amaxes
 replace the amax pass.
 
-Imported only when FP8 experts run: it needs triton and a CUDA GPU.
+Tensorwise (`fp8_tensorwise`): each GEMM operand of a dense linear (x, W, the output gradient) is read by two GEMMs,
+row-major by one and transposed by the other, with one scale. An amax pass, then one read that writes both layouts:
+6 bytes per element. Inductor, given the same casts in torch ops (torchao's Float8Linear), wrote the transposed
+layout in a pass of its own and ran well under the bandwidth (README, "Precision").
+
+Imported only when FP8 experts or tensorwise linears run: it needs triton and a CUDA GPU.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -44,6 +51,8 @@ from dsv3.quant import BLOCK
 
 TILE_ROWS, TILE_WARPS = 16, 2  # rows of one step of the 1×128 tile kernel (its programs take BLOCK rows), its warps
 ROWS_PER_PROGRAM = 128  # rows of one expert per program of the forward kernel: its column amaxes are [E, M / 128, K]
+BOTH_LAYOUTS_TILE = (128, 128, 4)  # rows, columns and warps of a program of the tensorwise cast
+AMAX_BLOCK = 4096  # elements of one step of the tensorwise amax pass
 ADAMW_ROWS, ADAMW_WARPS = 16, 16  # rows of one step of the blockwise AdamW's update, and its warps (of 21, H200)
 
 
@@ -185,6 +194,67 @@ def _(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device),
             torch.empty(n_experts, k, m, dtype=torch.float8_e4m3fn, device=w.device),
             w.new_empty(n_experts, m // BLOCK, k // BLOCK, dtype=torch.float32))
+
+
+@triton.jit
+def _abs_max_kernel(x_ptr, amax_ptr, numel, BLOCK: tl.constexpr):
+    amax = tl.zeros([BLOCK], tl.float32)
+    for start in range(tl.program_id(0) * BLOCK, numel, tl.num_programs(0) * BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)))
+    tl.atomic_max(amax_ptr, tl.max(amax, axis=0))  # |x| ≥ 0: fp32 order is the bits' integer order
+
+
+@triton.jit
+def _fp8_both_layouts_kernel(x_ptr, amax_ptr, out_ptr, out_t_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr,
+                             BLOCK_K: tl.constexpr, E5M2: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    top = 57344.0 if E5M2 else 448.0
+    dtype = tl.float8e5 if E5M2 else tl.float8e4nv
+    # torchao's scale: top / amax in fp64 (an fp64 division is correctly rounded in Triton), rounded to fp32
+    scale = (tl.full([], top, tl.float64) / tl.maximum(tl.load(amax_ptr).to(tl.float64), 1e-12)).to(tl.float32)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(scale_ptr, scale)
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
+             tl.clamp(x.to(tl.float32) * scale, -top, top).to(dtype), mask=mask)
+    # transposed in bf16, then cast, as `_fp8_weight_blocks_kernel`
+    tl.store(out_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :],
+             tl.clamp(tl.trans(x).to(tl.float32) * scale, -top, top).to(dtype), mask=tl.trans(mask))
+
+
+@torch.library.custom_op("dsv3::fp8_tensorwise", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def fp8_tensorwise(x: torch.Tensor, e5m2: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] → (fp8 [M, K], fp8 [K, M], scale fp32 []), x ≈ fp8 / scale: torchao's tensorwise scale and cast
+    (e4m3, or e5m2), bit for bit, in both layouts the GEMMs of a linear read. An amax pass, then one read of x that
+    writes both layouts."""
+    x = x.contiguous()
+    m, k = x.shape
+    dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    programs = min(triton.cdiv(x.numel(), AMAX_BLOCK), 8 * _multiprocessors(x.device))
+    _abs_max_kernel[(programs,)](x, amax, x.numel(), BLOCK=AMAX_BLOCK, num_warps=8)
+    out = torch.empty(m, k, dtype=dtype, device=x.device)
+    out_t = torch.empty(k, m, dtype=dtype, device=x.device)
+    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    block_m, block_k, warps = BOTH_LAYOUTS_TILE
+    _fp8_both_layouts_kernel[(triton.cdiv(m, block_m), triton.cdiv(k, block_k))](
+        x, amax, out, out_t, scale, m, k, BLOCK_M=block_m, BLOCK_K=block_k, E5M2=e5m2, num_warps=warps)
+    return out, out_t, scale
+
+
+@fp8_tensorwise.register_fake
+def _(x: torch.Tensor, e5m2: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    m, k = x.shape
+    return x.new_empty(m, k, dtype=dtype), x.new_empty(k, m, dtype=dtype), x.new_empty((), dtype=torch.float32)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit

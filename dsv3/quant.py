@@ -7,10 +7,11 @@ each call in one function named for what it does, and imported only here, only w
   fp8             e4m3, compute capability ≥ 8.9, with the scales of `train.fp8_recipe`:
                     rowwise     (train.py's default) one scale per row of each GEMM operand: held bf16's loss
                                 within 1% over 1,000 steps (README "Precision").
-                    tensorwise  torchao.float8 `Float8Linear`, one scale per tensor: faster to quantize; held the
-                                loss within 1% with bf16 moments, not with fp32 ones; under FSDP2 the weights are
-                                all-gathered in fp8: call
-                                `precompute_fp8_scales(model)` after every optimizer step.
+                    tensorwise  one scale per tensor: faster to quantize; held the loss within 1% with bf16
+                                moments, not with fp32 ones. Under FSDP2 torchao.float8's `Float8Linear`, its
+                                weights all-gathered in fp8: call `precompute_fp8_scales(model)` after every
+                                optimizer step. Without FSDP `Fp8TensorwiseLinear`: the same bits, each operand
+                                cast once into both of its layouts.
                   (DeepSeek-V3's own 1×128 / 128×128 blockwise recipe for the dense linears, through torchao,
                   did not pay on Hopper: README, "Precision".)
                   Decided by shape: only linears with min(in_features, out_features) ≥ `train.fp8_min_features`
@@ -208,17 +209,77 @@ def _swap_expert_gemm(model: nn.Module, gemm, feature_multiple: int, align: int,
 
 
 def convert_to_fp8_training(model: nn.Module, names: list[str], recipe: str, fp8_all_gather: bool = True) -> None:
-    """Swap the named linears for torchao's Float8Linear (dynamic scaling, e4m3 forward). `fp8_all_gather`
-    (tensorwise only: its scales are the only ones that can be all-gathered with the fp8 weights) wraps each weight
-    in WeightWithDynamicFloat8CastTensor for FSDP2; without FSDP there is nothing to all-gather and the subclass
-    would only add torchao's Python dispatch to every op on the weights (optimizer step, grad norm)."""
+    """Swap the named linears for FP8 ones (dynamic scaling, e4m3 forward, e5m2 gradients). Under FSDP2
+    (`fp8_all_gather`) and for rowwise: torchao's Float8Linear; a tensorwise one all-gathers its weights in fp8 (its
+    scales are the only ones that can be: WeightWithDynamicFloat8CastTensor). Tensorwise without FSDP: dsv3's
+    `Fp8TensorwiseLinear`, torchao's numerics bit for bit, each operand cast once into both layouts its GEMMs read."""
+    if recipe == "tensorwise" and not fp8_all_gather:
+        for name in names:
+            parent, _, child = name.rpartition(".")
+            owner = model.get_submodule(parent)
+            setattr(owner, child, Fp8TensorwiseLinear.of(getattr(owner, child)))
+        return
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)
-    if recipe == "tensorwise" and fp8_all_gather:
+    if recipe == "tensorwise":
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     wanted = set(names)
     convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in wanted, config=config)
+
+
+def to_fp8_tensorwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] → (fp8 [M, K], its transpose [K, M] contiguous, scale fp32), x ≈ fp8 / scale: torchao's tensorwise
+    scale (the format's max / amax in fp64, rounded to fp32) and saturated cast, in both layouts. On a GPU one kernel
+    writes both from one read of x, after an amax pass (`fp8_kernels.fp8_tensorwise`)."""
+    if x.is_cuda:
+        from dsv3.fp8_kernels import fp8_tensorwise
+
+        return fp8_tensorwise(x, dtype == torch.float8_e5m2)
+    top = torch.finfo(dtype).max
+    scale = (top / x.abs().max().to(torch.float64).clamp(min=1e-12)).to(torch.float32)
+    x8 = (x.to(torch.float32) * scale).clamp(-top, top).to(dtype)
+    return x8, x8.t().contiguous(), scale
+
+
+class Fp8TensorwiseLinear(nn.Linear):
+    """torchao's tensorwise Float8Linear (one GPU, no FSDP), bit for bit, with each operand cast once into both
+    layouts its GEMMs read: the forward writes x and W in e4m3 row-major and transposed and saves the transposed ones
+    (1 byte an element, where torchao saves bf16 x and W and casts them again in backward); the backward casts the
+    output gradient into both layouts at once."""
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> "Fp8TensorwiseLinear":
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=False)
+        new.weight, new.bias = linear.weight, linear.bias
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _Fp8TensorwiseMM.apply(x.reshape(-1, x.shape[-1]), self.weight)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class _Fp8TensorwiseMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        (x8, x8_t, x_scale), (w8, w8_t, w_scale) = to_fp8_tensorwise(x), to_fp8_tensorwise(w)
+        ctx.save_for_backward(x8_t, w8_t, x_scale, w_scale)
+        return torch._scaled_mm(x8, w8.t(), scale_a=x_scale.reciprocal(), scale_b=w_scale.reciprocal(),
+                                out_dtype=x.dtype, use_fast_accum=True)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x8_t, w8_t, x_scale, w_scale = ctx.saved_tensors
+        g8, g8_t, g_scale = to_fp8_tensorwise(grad_out, torch.float8_e5m2)  # gradients in e5m2, as torchao's
+        g_inverse = g_scale.reciprocal()
+        grad_x = torch._scaled_mm(g8, w8_t.t(), scale_a=g_inverse, scale_b=w_scale.reciprocal(),
+                                  out_dtype=grad_out.dtype)
+        grad_w = torch._scaled_mm(g8_t, x8_t.t(), scale_a=g_inverse, scale_b=x_scale.reciprocal(),
+                                  out_dtype=grad_out.dtype)
+        return grad_x, grad_w
 
 
 def precompute_fp8_scales(model: nn.Module) -> None:

@@ -170,6 +170,41 @@ def test_fp8_recipes_configure_torchao_and_keep_the_weight_parameters():
     assert isinstance(sharded.weight, WeightWithDynamicFloat8CastTensor)
     weight, unsharded = convert("tensorwise", fsdp=False)  # no FSDP: no all-gather, no weight subclass
     assert unsharded.weight is weight and type(unsharded.weight) is nn.Parameter
+    assert type(unsharded) is quant.Fp8TensorwiseLinear  # dsv3's own, with torchao's numerics (below)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_tensorwise_linears_give_torchaos_bits_and_save_their_operands_in_fp8(compiled):
+    """One GPU (no FSDP): dsv3's tensorwise linear casts x, W and the output gradient once into both layouts its GEMMs
+    read, where torchao's Float8Linear saves bf16 x and W and casts them again; the same output and gradients, bit for
+    bit (on the CPU through torchao's CPU `_scaled_mm`)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    if compiled and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = "cuda" if compiled else "cpu"
+    torch.manual_seed(0)
+    theirs = nn.Sequential(nn.Linear(64, 96, bias=False)).to(device, torch.bfloat16)
+    ours = copy.deepcopy(theirs)
+    convert_to_float8_training(theirs, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    quant.convert_to_fp8_training(ours, ["0"], "tensorwise", fp8_all_gather=False)
+    assert isinstance(ours[0], quant.Fp8TensorwiseLinear) and ours[0].weight.dtype == torch.bfloat16
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, device=device) * 3
+    grad_out = torch.randn(2, 16, 96, dtype=torch.bfloat16, device=device)
+    results = []
+    for model in (theirs, ours):
+        step = torch.compile(model) if compiled else model
+        saved = []
+        x_model = x.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = step(x_model)
+        out.backward(grad_out)
+        results.append((out, x_model.grad, model[0].weight.grad, saved))
+    (out, grad_x, grad_w, _), (our_out, our_grad_x, our_grad_w, saved) = results
+    assert torch.equal(our_out, out) and torch.equal(our_grad_x, grad_x) and torch.equal(our_grad_w, grad_w)
+    if not compiled:  # eager autograd shows what the function saves: x and W transposed, in e4m3, and no bf16 copy
+        assert sorted(tuple(t.shape) for t in saved if t.dtype == torch.float8_e4m3fn) == [(64, 32), (64, 96)]
+        assert not any(t.dtype == torch.bfloat16 and t.dim() == 2 for t in saved)
 
 
 # ------------------------------------------------------------------------------------------- numerics
