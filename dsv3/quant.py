@@ -401,8 +401,7 @@ def fp8_blockwise_grouped_mm(x: torch.Tensor | TokenCopies, w: torch.Tensor, off
     values, if something keeps it (`GroupedExperts.weight_blocks`); w's values are then not read, only its gradient
     is made. `sum_copies` (copies with `weights`, whose order the output rows follow): returns `sum_copies.sum` of
     the output, whose backward reads the rows' gradient from the tokens' as it quantizes it (never written)."""
-    order, topk = (x.order, x.topk) if isinstance(x, TokenCopies) else (None, 1)
-    source = x.source if isinstance(x, TokenCopies) else x
+    source, order, topk = (x.source, x.order, x.topk) if isinstance(x, TokenCopies) else (x, None, 1)
     sum_order, sum_weights = (None, None) if sum_copies is None else (sum_copies.order, sum_copies.weights)
     return _Fp8BlockwiseGroupedMM.apply(source, w, offsets, order, topk, sum_order, sum_weights, *w_blocks)
 
