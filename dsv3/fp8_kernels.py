@@ -197,32 +197,38 @@ def _(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _abs_max_kernel(x_ptr, amax_ptr, numel, BLOCK: tl.constexpr):
-    amax = tl.zeros([BLOCK], tl.float32)
-    for start in range(tl.program_id(0) * BLOCK, numel, tl.num_programs(0) * BLOCK):
+def _abs_max_kernel(x_ptr, amax_bits_ptr, numel, BLOCK: tl.constexpr):
+    """max |x| into an int32 holding an fp32's bits: for |x| ≥ 0 their integer order is the floats' order, with a
+    NaN's bits above inf's, so that a NaN anywhere makes the amax NaN, as torch's max does (float max drops NaN)."""
+    amax = tl.zeros([BLOCK], tl.int32)
+    for start in range(tl.program_id(0).to(tl.int64) * BLOCK, numel, tl.num_programs(0) * BLOCK):
         offsets = start + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)))
-    tl.atomic_max(amax_ptr, tl.max(amax, axis=0))  # |x| ≥ 0: fp32 order is the bits' integer order
+        x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x).to(tl.int32, bitcast=True))
+    tl.atomic_max(amax_bits_ptr, tl.max(amax, axis=0))
 
 
 @triton.jit
-def _fp8_both_layouts_kernel(x_ptr, amax_ptr, out_ptr, out_t_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr,
+def _fp8_both_layouts_kernel(x_ptr, amax_bits_ptr, out_ptr, out_t_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr,
                              BLOCK_K: tl.constexpr, E5M2: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
     top = 57344.0 if E5M2 else 448.0
     dtype = tl.float8e5 if E5M2 else tl.float8e4nv
-    # torchao's scale: top / amax in fp64 (an fp64 division is correctly rounded in Triton), rounded to fp32
-    scale = (tl.full([], top, tl.float64) / tl.maximum(tl.load(amax_ptr).to(tl.float64), 1e-12)).to(tl.float32)
+    # torchao's scale: top / amax in fp64 (an fp64 division is correctly rounded in Triton), rounded to fp32; a NaN
+    # amax (or element) stays NaN through the max and the clamp, as through torch's, for the divergence guard to see
+    amax = tl.load(amax_bits_ptr).to(tl.float32, bitcast=True).to(tl.float64)
+    scale = (tl.full([], top, tl.float64) / tl.maximum(amax, 1e-12, propagate_nan=tl.PropagateNan.ALL)).to(tl.float32)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(scale_ptr, scale)
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
-             tl.clamp(x.to(tl.float32) * scale, -top, top).to(dtype), mask=mask)
+             tl.clamp(x.to(tl.float32) * scale, -top, top, propagate_nan=tl.PropagateNan.ALL).to(dtype), mask=mask)
     # transposed in bf16, then cast, as `_fp8_weight_blocks_kernel`
     tl.store(out_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :],
-             tl.clamp(tl.trans(x).to(tl.float32) * scale, -top, top).to(dtype), mask=tl.trans(mask))
+             tl.clamp(tl.trans(x).to(tl.float32) * scale, -top, top, propagate_nan=tl.PropagateNan.ALL).to(dtype),
+             mask=tl.trans(mask))
 
 
 @torch.library.custom_op("dsv3::fp8_tensorwise", mutates_args=(), tags=(torch.Tag.flexible_layout,))
@@ -233,15 +239,15 @@ def fp8_tensorwise(x: torch.Tensor, e5m2: bool = False) -> tuple[torch.Tensor, t
     x = x.contiguous()
     m, k = x.shape
     dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
     programs = min(triton.cdiv(x.numel(), AMAX_BLOCK), 8 * _multiprocessors(x.device))
-    _abs_max_kernel[(programs,)](x, amax, x.numel(), BLOCK=AMAX_BLOCK, num_warps=8)
+    _abs_max_kernel[(programs,)](x, amax_bits, x.numel(), BLOCK=AMAX_BLOCK, num_warps=8)
     out = torch.empty(m, k, dtype=dtype, device=x.device)
     out_t = torch.empty(k, m, dtype=dtype, device=x.device)
     scale = torch.empty((), dtype=torch.float32, device=x.device)
     block_m, block_k, warps = BOTH_LAYOUTS_TILE
     _fp8_both_layouts_kernel[(triton.cdiv(m, block_m), triton.cdiv(k, block_k))](
-        x, amax, out, out_t, scale, m, k, BLOCK_M=block_m, BLOCK_K=block_k, E5M2=e5m2, num_warps=warps)
+        x, amax_bits, out, out_t, scale, m, k, BLOCK_M=block_m, BLOCK_K=block_k, E5M2=e5m2, num_warps=warps)
     return out, out_t, scale
 
 

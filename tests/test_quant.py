@@ -207,6 +207,34 @@ def test_tensorwise_linears_give_torchaos_bits_and_save_their_operands_in_fp8(co
         assert not any(t.dtype == torch.bfloat16 and t.dim() == 2 for t in saved)
 
 
+
+@pytest.mark.gpu
+def test_the_tensorwise_kernel_gives_the_torch_ops_bits_in_both_layouts_and_keeps_nan():
+    """`fp8_kernels.fp8_tensorwise` against `quant.to_fp8_tensorwise`'s torch ops (on the CPU): partial tiles, a
+    transposed input, e4m3 and e5m2, bit for bit; a NaN anywhere makes every output NaN and an inf makes the scale 0,
+    as torch's max and clamp do, so that the divergence guard sees a non-finite gradient norm."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dsv3.fp8_kernels import fp8_tensorwise
+
+    torch.manual_seed(0)
+    for rows, cols in ((4097, 129), (33, 8200)):
+        x = (torch.randn(cols, rows, device="cuda", dtype=torch.bfloat16) * 3).t()  # [rows, cols], not contiguous
+        for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            ours = fp8_tensorwise(x, dtype == torch.float8_e5m2)
+            torchs = quant.to_fp8_tensorwise(x.cpu(), dtype)
+            assert [t.shape for t in ours] == [(rows, cols), (cols, rows), ()]
+            for mine, theirs in zip(ours, torchs):
+                assert torch.equal(mine.cpu().view(torch.uint8 if mine.dim() else torch.int32),
+                                   theirs.view(torch.uint8 if theirs.dim() else torch.int32))
+    x = torch.randn(300, 200, device="cuda", dtype=torch.bfloat16)
+    x[7, 5] = float("nan")
+    x8, x8_t, scale = fp8_tensorwise(x)
+    assert scale.isnan() and x8.float().isnan().all() and x8_t.float().isnan().all()
+    x[7, 5] = float("-inf")
+    x8, x8_t, scale = fp8_tensorwise(x)
+    assert scale == 0 and x8.float().isnan().sum() == 1 and x8_t.float()[5, 7].isnan()
+
 # ------------------------------------------------------------------------------------------- numerics
 
 def _cpu_scaled_mm_takes_row_scales() -> bool:
