@@ -1,9 +1,10 @@
 """Triton kernels that quantize the routed experts' operands for their FP8 grouped GEMMs
 (`quant.fp8_rowwise_grouped_mm`, `quant.fp8_blockwise_grouped_mm`) where inductor cannot: the weights along each
 axis or in blocks, the token rows in 1×128 tiles, and the weight gradient's token rows along the tokens of each
-expert's group; and the tensorwise dense linears' operands (`quant.Fp8TensorwiseLinear`). (The token rows' whole-row scales are plain torch ops, fused by inductor into the kernels that make
-them.) Scales are powers of two, 2^⌊log2(448 / amax)⌋, as `quant.to_fp8_rowwise`'s and torchao's, and the rowwise
-results are theirs bit for bit.
+expert's group; and the tensorwise dense linears' operands (`quant.Fp8TensorwiseLinear`). (The token rows'
+whole-row scales are plain torch ops, fused by inductor into the kernels that make them.) The experts' scales are
+powers of two, 2^⌊log2(448 / amax)⌋, as `quant.to_fp8_rowwise`'s and torchao's, and the rowwise results are theirs
+bit for bit.
 
 Weights: the forward GEMM needs each expert's W [M, K] (K contiguous) scaled along K, one scale per row; the input
 gradient's GEMM needs Wᵀ scaled along M, one scale per column, stored transposed. torchao 0.18's kernels read W
@@ -218,8 +219,9 @@ def _fp8_both_layouts_kernel(x_ptr, amax_bits_ptr, out_ptr, out_t_ptr, scale_ptr
     dtype = tl.float8e5 if E5M2 else tl.float8e4nv
     # torchao's scale: top / amax in fp64 (an fp64 division is correctly rounded in Triton), rounded to fp32; a NaN
     # amax (or element) stays NaN through the max and the clamp, as through torch's, for the divergence guard to see
-    amax = tl.load(amax_bits_ptr).to(tl.float32, bitcast=True).to(tl.float64)
-    scale = (tl.full([], top, tl.float64) / tl.maximum(amax, 1e-12, propagate_nan=tl.PropagateNan.ALL)).to(tl.float32)
+    amax = tl.maximum(tl.load(amax_bits_ptr).to(tl.float32, bitcast=True).to(tl.float64), 1e-12,
+                      propagate_nan=tl.PropagateNan.ALL)
+    scale = (tl.full([], top, tl.float64) / amax).to(tl.float32)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(scale_ptr, scale)
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
