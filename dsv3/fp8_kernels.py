@@ -69,8 +69,9 @@ def _pow2_scale(amax):
 @triton.jit
 def _to_e4m3(x, scale):
     """x · scale in e4m3: computed in fp32 and clamped to ±448 before the cast, as the torch expressions the
-    kernels match bit for bit (`quant.to_fp8_rowwise`, torchao's) do."""
-    return tl.clamp(x.to(tl.float32) * scale, -448.0, 448.0).to(tl.float8e4nv)
+    kernels match bit for bit (`quant.to_fp8_rowwise`, torchao's) do; a NaN stays NaN, as through torch's clamp
+    (Triton's default clamp makes it ±448)."""
+    return tl.clamp(x.to(tl.float32) * scale, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
 
 
 @triton.jit
