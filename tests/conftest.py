@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
@@ -115,6 +116,19 @@ def torchrun_vars(rank: int, world: int, port: int) -> dict[str, str]:
 def torchrun_env(rank: int, world: int, port: int) -> None:
     """Make this process rank `rank` of `world`, as torchrun would."""
     os.environ.update(torchrun_vars(rank, world, port))
+
+
+def leave_process_group() -> None:
+    """The end of a spawned test worker, once its results are written: every rank leaves the process group together,
+    then the process exits at once. Objects that outlive destroy_process_group (device meshes, FSDP state) keep gloo's
+    threads to the interpreter's finalization, which rarely aborted there ("terminate called without an active
+    exception", SIGABRT), failing a test whose work had passed."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def load_export(export_dir: Path) -> dict[str, torch.Tensor]:

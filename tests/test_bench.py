@@ -3,11 +3,10 @@ order autograd runs them, the model left as it was; and the same under FSDP2 + E
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import train
-from conftest import free_port, torchrun_env
+from conftest import free_port, leave_process_group, torchrun_env
 from dsv3 import parallel
 from dsv3.config import load_config
 from scripts.bench import expert_rows_vs_mean, layer_times, phase_of, timed_blocks
@@ -73,7 +72,7 @@ def _sharded_worker(rank: int, world: int, port: int, out) -> None:
     counts = {kind: (t["layers"], t["forward_ms"] > 0, t["backward_ms"] > 0) for kind, t in result.items()}
     moved = not torch.equal(model.routers()[0].expert_bias, bias_before)  # the step ran to its end, bias update too
     torch.save((counts, moved), out / f"rank-{rank}.pt")
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def test_layers_are_timed_under_fsdp2_and_expert_parallelism(tmp_path):

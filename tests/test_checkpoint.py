@@ -26,7 +26,7 @@ from dsv3 import checkpoint, optim, rundir
 from dsv3.config import FLAVORS, ModelConfig, TrainConfig, UserError
 from dsv3.export import load_weights
 from dsv3.model import Transformer
-from conftest import free_port, load_export, torchrun_env, read_metrics
+from conftest import free_port, leave_process_group, load_export, read_metrics, torchrun_env
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "stdlib"
@@ -42,6 +42,7 @@ def _rank_main(rank: int, world: int, port: int, argv: list[str]) -> None:
     """One rank of `torchrun --nproc_per_node=world train.py argv`."""
     torchrun_env(rank, world, port)
     train.main(argv)
+    leave_process_group()  # train.main has left the group; exit before finalization
 
 
 def launch(world: int, argv: list[str]) -> None:
@@ -232,7 +233,7 @@ def _rename_fails_on_rank_0(rank: int, world: int, port: int, run_dir: Path, res
     except Exception as e:
         outcome = str(e)
     (results / f"rank-{rank}").write_text(json.dumps({"seconds": time.monotonic() - start, "error": outcome}))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def test_a_rename_that_fails_on_rank_0_ends_every_rank_with_its_error(tmp_path):
@@ -270,7 +271,7 @@ def _lock_rank(rank: int, world: int, port: int, run_dir: Path, results: Path) -
     except UserError as e:
         outcome = str(e)
     (results / f"rank-{rank}").write_text(outcome)
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def test_a_second_run_on_a_locked_directory_is_refused_on_every_rank_until_the_holder_dies(tmp_path):

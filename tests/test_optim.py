@@ -18,7 +18,7 @@ from dsv3.config import FLAVORS, Config, TrainConfig
 from dsv3.model import Transformer
 from dsv3.moe import GroupedExperts
 from train import build_model, build_optimizer, train_step
-from conftest import free_port
+from conftest import free_port, leave_process_group
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:
@@ -110,8 +110,7 @@ def _sharded_moments_worker(rank: int, port: int, out_path: str) -> None:
     full = moments.full_tensor()
     if rank == 0:
         torch.save(full, out_path)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def test_shards_draw_the_noise_of_their_rows_of_the_whole_tensor(tmp_path):

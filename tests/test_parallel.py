@@ -20,7 +20,7 @@ from dsv3.config import FLAVORS, Config, ParallelConfig, TrainConfig
 from dsv3.model import Transformer
 from dsv3.moe import MoE
 from train import build_model, build_optimizer, train_step
-from conftest import free_port, torchrun_env
+from conftest import free_port, leave_process_group, torchrun_env
 
 CFG = replace(FLAVORS["debug"], n_layers=3, max_seq_len=32)
 TRAIN = TrainConfig(global_batch=8, micro_batch=2, seq_len=32, lr=1e-3, warmup_steps=0, steps=3,
@@ -94,8 +94,7 @@ def _save_from_rank_0_and_leave(rank: int, value, out_path: str) -> None:
     tears it down while another still talks to it)."""
     if rank == 0:
         torch.save(value, out_path)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def _worker(rank: int, world: int, ep: int, port: int, out_path: str, ac: str = "none", starve: bool = False,

@@ -23,7 +23,7 @@ from dsv3.config import FLAVORS, load_config
 from dsv3.model import RMSNorm, Transformer
 from dsv3.moe import (MLP, GroupedExperts, MoE, Router, TokenCopies, gather_token_copies, grouped_mm, pad_order,
                       row_of_slot)
-from conftest import free_port
+from conftest import free_port, leave_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = FLAVORS["debug"]  # every dim a multiple of 32: each precision converts every eligible linear
@@ -541,8 +541,7 @@ def _ep_worker(rank: int, world: int, port: int, out_path: str) -> None:
         errors[name] = (grad - expected).abs().max().item()
     if rank == 0:
         torch.save(errors, out_path)
-    dist.barrier()  # no rank tears the group down while another still talks to it
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def test_all_to_all_dispatcher_keeps_the_alignment_and_matches_one_process(tmp_path):

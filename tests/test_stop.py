@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dsv3.stop import StopSignal, resume_command
-from conftest import free_port, torchrun_env
+from conftest import free_port, leave_process_group, torchrun_env
 
 
 def test_the_first_signal_is_kept_and_later_ones_change_nothing():
@@ -44,7 +44,7 @@ def _rank(rank: int, world: int, port: int, signalled_at: int, out: Path) -> Non
         stop.restore()
         stopped_at.append(str(step))
     (out / f"rank-{rank}").write_text(" ".join(stopped_at))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def test_a_signal_that_reaches_one_rank_stops_every_rank_after_the_same_step(tmp_path):
