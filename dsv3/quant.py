@@ -184,10 +184,7 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
     if precision == "fp8":
         convert_to_fp8_training(model, names, fp8_recipe, fp8_all_gather=fsdp)
     else:
-        for name in names:
-            parent, _, child = name.rpartition(".")
-            owner = model.get_submodule(parent)
-            setattr(owner, child, to_mxfp8_linear(getattr(owner, child), emulated=precision == "mxfp8-emulated"))
+        _swap_linears(model, names, functools.partial(to_mxfp8_linear, emulated=precision == "mxfp8-emulated"))
     if expert_precision == "low":
         if precision == "fp8":
             gemm = fp8_rowwise_grouped_mm
@@ -195,6 +192,14 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
             gemm = functools.partial(mxfp8_grouped_mm, emulated=precision == "mxfp8-emulated")
         _swap_expert_gemm(model, gemm, FEATURE_MULTIPLE[precision], GROUP_ALIGN[precision], f"low with {precision}")
     return names
+
+
+def _swap_linears(model: nn.Module, names: list[str], convert) -> None:
+    """Replace each named linear of `model` by `convert(linear)`."""
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        setattr(owner, child, convert(getattr(owner, child)))
 
 
 def _swap_expert_gemm(model: nn.Module, gemm, feature_multiple: int, align: int, what: str) -> None:
@@ -214,10 +219,7 @@ def convert_to_fp8_training(model: nn.Module, names: list[str], recipe: str, fp8
     scales are the only ones that can be: WeightWithDynamicFloat8CastTensor). Tensorwise without FSDP: dsv3's
     `Fp8TensorwiseLinear`, torchao's numerics bit for bit, each operand cast once into both layouts its GEMMs read."""
     if recipe == "tensorwise" and not fp8_all_gather:
-        for name in names:
-            parent, _, child = name.rpartition(".")
-            owner = model.get_submodule(parent)
-            setattr(owner, child, Fp8TensorwiseLinear.of(getattr(owner, child)))
+        _swap_linears(model, names, Fp8TensorwiseLinear.of)
         return
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -266,19 +268,18 @@ class _Fp8TensorwiseMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         (x8, x8_t, x_scale), (w8, w8_t, w_scale) = to_fp8_tensorwise(x), to_fp8_tensorwise(w)
-        ctx.save_for_backward(x8_t, w8_t, x_scale, w_scale)
-        return torch._scaled_mm(x8, w8.t(), scale_a=x_scale.reciprocal(), scale_b=w_scale.reciprocal(),
-                                out_dtype=x.dtype, use_fast_accum=True)
+        x_inverse, w_inverse = x_scale.reciprocal(), w_scale.reciprocal()  # what _scaled_mm takes, as torchao's
+        ctx.save_for_backward(x8_t, w8_t, x_inverse, w_inverse)
+        return torch._scaled_mm(x8, w8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=x.dtype,
+                                use_fast_accum=True)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x8_t, w8_t, x_scale, w_scale = ctx.saved_tensors
+        x8_t, w8_t, x_inverse, w_inverse = ctx.saved_tensors
         g8, g8_t, g_scale = to_fp8_tensorwise(grad_out, torch.float8_e5m2)  # gradients in e5m2, as torchao's
         g_inverse = g_scale.reciprocal()
-        grad_x = torch._scaled_mm(g8, w8_t.t(), scale_a=g_inverse, scale_b=w_scale.reciprocal(),
-                                  out_dtype=grad_out.dtype)
-        grad_w = torch._scaled_mm(g8_t, x8_t.t(), scale_a=g_inverse, scale_b=x_scale.reciprocal(),
-                                  out_dtype=grad_out.dtype)
+        grad_x = torch._scaled_mm(g8, w8_t.t(), scale_a=g_inverse, scale_b=w_inverse, out_dtype=grad_out.dtype)
+        grad_w = torch._scaled_mm(g8_t, x8_t.t(), scale_a=g_inverse, scale_b=x_inverse, out_dtype=grad_out.dtype)
         return grad_x, grad_w
 
 

@@ -207,7 +207,6 @@ def test_tensorwise_linears_give_torchaos_bits_and_save_their_operands_in_fp8(co
         assert not any(t.dtype == torch.bfloat16 and t.dim() == 2 for t in saved)
 
 
-
 @pytest.mark.gpu
 def test_the_tensorwise_kernel_gives_the_torch_ops_bits_in_both_layouts_and_keeps_nan():
     """`fp8_kernels.fp8_tensorwise` against `quant.to_fp8_tensorwise`'s torch ops (on the CPU): partial tiles, a
@@ -234,6 +233,7 @@ def test_the_tensorwise_kernel_gives_the_torch_ops_bits_in_both_layouts_and_keep
     x[7, 5] = float("-inf")
     x8, x8_t, scale = fp8_tensorwise(x)
     assert scale == 0 and x8.float().isnan().sum() == 1 and x8_t.float()[5, 7].isnan()
+
 
 # ------------------------------------------------------------------------------------------- numerics
 
