@@ -67,11 +67,18 @@ def _pow2_scale(amax):
 
 
 @triton.jit
+def _to_fp8(x, scale, E5M2: tl.constexpr):
+    """x · scale in e4m3 (or e5m2): computed in fp32 and clamped to the format's max (448, 57344) before the cast, as
+    the torch expressions the kernels match bit for bit (`quant.to_fp8_rowwise`, torchao's) do; a NaN stays NaN, as
+    through torch's clamp (Triton's default clamp makes it ±max)."""
+    top: tl.constexpr = 57344.0 if E5M2 else 448.0
+    return tl.clamp(x.to(tl.float32) * scale, -top, top,
+                    propagate_nan=tl.PropagateNan.ALL).to(tl.float8e5 if E5M2 else tl.float8e4nv)
+
+
+@triton.jit
 def _to_e4m3(x, scale):
-    """x · scale in e4m3: computed in fp32 and clamped to ±448 before the cast, as the torch expressions the
-    kernels match bit for bit (`quant.to_fp8_rowwise`, torchao's) do; a NaN stays NaN, as through torch's clamp
-    (Triton's default clamp makes it ±448)."""
-    return tl.clamp(x.to(tl.float32) * scale, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
+    return _to_fp8(x, scale, False)
 
 
 @triton.jit
@@ -217,7 +224,6 @@ def _fp8_both_layouts_kernel(x_ptr, amax_bits_ptr, out_ptr, out_t_ptr, scale_ptr
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
     top = 57344.0 if E5M2 else 448.0
-    dtype = tl.float8e5 if E5M2 else tl.float8e4nv
     # torchao's scale: top / amax in fp64 (an fp64 division is correctly rounded in Triton), rounded to fp32; a NaN
     # amax (or element) stays NaN through the max and the clamp, as through torch's, for the divergence guard to see
     amax = tl.maximum(tl.load(amax_bits_ptr).to(tl.float32, bitcast=True).to(tl.float64), 1e-12,
@@ -226,11 +232,9 @@ def _fp8_both_layouts_kernel(x_ptr, amax_bits_ptr, out_ptr, out_t_ptr, scale_ptr
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(scale_ptr, scale)
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
-             tl.clamp(x.to(tl.float32) * scale, -top, top, propagate_nan=tl.PropagateNan.ALL).to(dtype), mask=mask)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], _to_fp8(x, scale, E5M2), mask=mask)
     # transposed in bf16, then cast, as `_fp8_weight_blocks_kernel`
-    tl.store(out_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :],
-             tl.clamp(tl.trans(x).to(tl.float32) * scale, -top, top, propagate_nan=tl.PropagateNan.ALL).to(dtype),
+    tl.store(out_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], _to_fp8(tl.trans(x), scale, E5M2),
              mask=tl.trans(mask))
 
 
