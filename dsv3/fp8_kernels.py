@@ -33,8 +33,9 @@ tiles' kernel has read the operand (blockwise experts, whose groups are whole bl
 replace the amax pass.
 
 Tensorwise (`fp8_tensorwise`): each GEMM operand of a dense linear (x, W, the output gradient) is read by two GEMMs,
-row-major by one and transposed by the other, with one scale. An amax pass, then one read that writes both layouts:
-6 bytes per element. Inductor, given the same casts in torch ops (torchao's Float8Linear), wrote the transposed
+row-major by one and transposed by the other, with one scale. One read that writes both layouts, after an amax pass
+(6 bytes per element) or, given the amax, without one: inside a compiled graph, inductor fuses the amax of x and of
+the output gradient into the kernels that make them (`quant.Fp8TensorwiseLinear`). Inductor, given the same casts in torch ops (torchao's Float8Linear), wrote the transposed
 layout in a pass of its own and ran well under the bandwidth (README, "Precision").
 
 Imported only when FP8 experts or tensorwise linears run: it needs triton and a CUDA GPU.
@@ -218,7 +219,7 @@ def _abs_max_kernel(x_ptr, amax_bits_ptr, numel, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _fp8_both_layouts_kernel(x_ptr, amax_bits_ptr, out_ptr, out_t_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr,
+def _fp8_both_layouts_kernel(x_ptr, amax_ptr, out_ptr, out_t_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr,
                              BLOCK_K: tl.constexpr, E5M2: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -226,7 +227,7 @@ def _fp8_both_layouts_kernel(x_ptr, amax_bits_ptr, out_ptr, out_t_ptr, scale_ptr
     top = 57344.0 if E5M2 else 448.0
     # torchao's scale: top / amax in fp64 (an fp64 division is correctly rounded in Triton), rounded to fp32; a NaN
     # amax (or element) stays NaN through the max and the clamp, as through torch's, for the divergence guard to see
-    amax = tl.maximum(tl.load(amax_bits_ptr).to(tl.float32, bitcast=True).to(tl.float64), 1e-12,
+    amax = tl.maximum(tl.load(amax_ptr).to(tl.float32).to(tl.float64), 1e-12,
                       propagate_nan=tl.PropagateNan.ALL)
     scale = (tl.full([], top, tl.float64) / amax).to(tl.float32)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
@@ -239,27 +240,31 @@ def _fp8_both_layouts_kernel(x_ptr, amax_bits_ptr, out_ptr, out_t_ptr, scale_ptr
 
 
 @torch.library.custom_op("dsv3::fp8_tensorwise", mutates_args=(), tags=(torch.Tag.flexible_layout,))
-def fp8_tensorwise(x: torch.Tensor, e5m2: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fp8_tensorwise(x: torch.Tensor, amax: torch.Tensor | None = None, e5m2: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] → (fp8 [M, K], fp8 [K, M], scale fp32 []), x ≈ fp8 / scale: torchao's tensorwise scale and cast
-    (e4m3, or e5m2), bit for bit, in both layouts the GEMMs of a linear read. An amax pass, then one read of x that
-    writes both layouts."""
+    (e4m3, or e5m2), bit for bit, in both layouts the GEMMs of a linear read. One read of x writes both layouts,
+    after an amax pass unless `amax` (max |x|, 0-d, any float dtype) is given."""
     x = x.contiguous()
     m, k = x.shape
     dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
-    amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
-    programs = min(triton.cdiv(x.numel(), AMAX_BLOCK), 8 * _multiprocessors(x.device))
-    _abs_max_kernel[(programs,)](x, amax_bits, x.numel(), BLOCK=AMAX_BLOCK, num_warps=8)
+    if amax is None:
+        amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
+        programs = min(triton.cdiv(x.numel(), AMAX_BLOCK), 8 * _multiprocessors(x.device))
+        _abs_max_kernel[(programs,)](x, amax_bits, x.numel(), BLOCK=AMAX_BLOCK, num_warps=8)
+        amax = amax_bits.view(torch.float32)
     out = torch.empty(m, k, dtype=dtype, device=x.device)
     out_t = torch.empty(k, m, dtype=dtype, device=x.device)
     scale = torch.empty((), dtype=torch.float32, device=x.device)
     block_m, block_k, warps = BOTH_LAYOUTS_TILE
     _fp8_both_layouts_kernel[(triton.cdiv(m, block_m), triton.cdiv(k, block_k))](
-        x, amax_bits, out, out_t, scale, m, k, BLOCK_M=block_m, BLOCK_K=block_k, E5M2=e5m2, num_warps=warps)
+        x, amax, out, out_t, scale, m, k, BLOCK_M=block_m, BLOCK_K=block_k, E5M2=e5m2, num_warps=warps)
     return out, out_t, scale
 
 
 @fp8_tensorwise.register_fake
-def _(x: torch.Tensor, e5m2: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _(x: torch.Tensor, amax: torch.Tensor | None = None, e5m2: bool = False
+      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
     m, k = x.shape
     return x.new_empty(m, k, dtype=dtype), x.new_empty(k, m, dtype=dtype), x.new_empty((), dtype=torch.float32)

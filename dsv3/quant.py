@@ -220,6 +220,8 @@ def convert_to_fp8_training(model: nn.Module, names: list[str], recipe: str, fp8
     `Fp8TensorwiseLinear`, torchao's numerics bit for bit, each operand cast once into both layouts its GEMMs read."""
     if recipe == "tensorwise" and not fp8_all_gather:
         _swap_linears(model, names, Fp8TensorwiseLinear.of)
+        for name in names:
+            model.get_submodule(name).fuse_grad_amax = name.rpartition(".")[2] not in ROPE_GRAD_LINEARS
         return
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -230,26 +232,43 @@ def convert_to_fp8_training(model: nn.Module, names: list[str], recipe: str, fp8
     convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in wanted, config=config)
 
 
-def to_fp8_tensorwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
+def to_fp8_tensorwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, amax: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] → (fp8 [M, K], its transpose [K, M] contiguous, scale fp32), x ≈ fp8 / scale: torchao's tensorwise
-    scale (the format's max / amax in fp64, rounded to fp32) and saturated cast, in both layouts. On a GPU one kernel
-    writes both from one read of x, after an amax pass (`fp8_kernels.fp8_tensorwise`)."""
+    scale (the format's max / amax in fp64, rounded to fp32) and saturated cast, in both layouts. `amax`: max |x|,
+    if already known. On a GPU one kernel writes both from one read of x (`fp8_kernels.fp8_tensorwise`)."""
     if x.is_cuda:
         from dsv3.fp8_kernels import fp8_tensorwise
 
-        return fp8_tensorwise(x, dtype == torch.float8_e5m2)
+        return fp8_tensorwise(x, amax, dtype == torch.float8_e5m2)
     top = torch.finfo(dtype).max
-    scale = (top / x.abs().max().to(torch.float64).clamp(min=1e-12)).to(torch.float32)
+    amax = x.abs().max() if amax is None else amax
+    scale = (top / amax.to(torch.float64).clamp(min=1e-12)).to(torch.float32)
     x8 = (x.to(torch.float32) * scale).clamp(-top, top).to(dtype)
     return x8, x8.t().contiguous(), scale
+
+
+def fusable_amax(x: torch.Tensor) -> torch.Tensor | None:
+    """max |x| [M, K] as torch ops inside a compiled graph, a max along each row and then over the rows: inductor
+    fuses that row reduction into the kernel that makes x (a norm, SwiGLU, a transpose, a gradient's sum), where a
+    pass of its own would read x again. Eager (None), the cast's kernel makes its own amax pass, faster than
+    torch's ops there."""
+    return x.abs().amax(-1).amax() if torch.compiler.is_compiling() else None
+
+
+# MLA's query projections, whose output gradient is made by RoPE's backward from attention's [B, H, S, d] gradient,
+# read transposed: a row amax fused into that kernel made it slower than the cast's own amax pass (H100).
+ROPE_GRAD_LINEARS = ("wq_b", "wq")
 
 
 class Fp8TensorwiseLinear(nn.Linear):
     """torchao's tensorwise Float8Linear (one GPU, no FSDP), bit for bit, with each operand cast once into both
     layouts its GEMMs read: the forward writes x and W in e4m3 row-major and transposed and saves the transposed ones
     (1 byte an element, where torchao saves bf16 x and W and casts them again in backward); the backward casts the
-    output gradient into both layouts at once."""
+    output gradient into both layouts at once. Compiled, the amax of x, and of the output gradient if
+    `fuse_grad_amax`, is left to inductor to fuse into the kernel that makes it (`fusable_amax`)."""
+
+    fuse_grad_amax = True
 
     @classmethod
     def of(cls, linear: nn.Linear) -> "Fp8TensorwiseLinear":
@@ -259,15 +278,17 @@ class Fp8TensorwiseLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _Fp8TensorwiseMM.apply(x.reshape(-1, x.shape[-1]), self.weight)
+        y = _Fp8TensorwiseMM.apply(x.reshape(-1, x.shape[-1]), self.weight, self.fuse_grad_amax)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 class _Fp8TensorwiseMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        (x8, x8_t, x_scale), (w8, w8_t, w_scale) = to_fp8_tensorwise(x), to_fp8_tensorwise(w)
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, fuse_grad_amax: bool) -> torch.Tensor:
+        ctx.fuse_grad_amax = fuse_grad_amax
+        # W is a leaf (the optimizer's bf16 copy): nothing to fuse its amax into
+        (x8, x8_t, x_scale), (w8, w8_t, w_scale) = to_fp8_tensorwise(x, amax=fusable_amax(x)), to_fp8_tensorwise(w)
         x_inverse, w_inverse = x_scale.reciprocal(), w_scale.reciprocal()  # what _scaled_mm takes, as torchao's
         ctx.save_for_backward(x8_t, w8_t, x_inverse, w_inverse)
         return torch._scaled_mm(x8, w8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=x.dtype,
@@ -276,11 +297,12 @@ class _Fp8TensorwiseMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x8_t, w8_t, x_inverse, w_inverse = ctx.saved_tensors
-        g8, g8_t, g_scale = to_fp8_tensorwise(grad_out, torch.float8_e5m2)  # gradients in e5m2, as torchao's
+        g_amax = fusable_amax(grad_out) if ctx.fuse_grad_amax else None
+        g8, g8_t, g_scale = to_fp8_tensorwise(grad_out, torch.float8_e5m2, g_amax)  # e5m2, as torchao's
         g_inverse = g_scale.reciprocal()
         grad_x = torch._scaled_mm(g8, w8_t.t(), scale_a=g_inverse, scale_b=w_inverse, out_dtype=grad_out.dtype)
         grad_w = torch._scaled_mm(g8_t, x8_t.t(), scale_a=g_inverse, scale_b=x_inverse, out_dtype=grad_out.dtype)
-        return grad_x, grad_w
+        return grad_x, grad_w, None
 
 
 def precompute_fp8_scales(model: nn.Module) -> None:

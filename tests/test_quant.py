@@ -173,16 +173,17 @@ def test_fp8_recipes_configure_torchao_and_keep_the_weight_parameters():
     assert type(unsharded) is quant.Fp8TensorwiseLinear  # dsv3's own, with torchao's numerics (below)
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.gpu)])
-def test_tensorwise_linears_give_torchaos_bits_and_save_their_operands_in_fp8(compiled):
+@pytest.mark.parametrize("device,compiled", [("cpu", False), ("cpu", True),
+                                             pytest.param("cuda", True, marks=pytest.mark.gpu)])
+def test_tensorwise_linears_give_torchaos_bits_and_save_their_operands_in_fp8(device, compiled):
     """One GPU (no FSDP): dsv3's tensorwise linear casts x, W and the output gradient once into both layouts its GEMMs
     read, where torchao's Float8Linear saves bf16 x and W and casts them again; the same output and gradients, bit for
-    bit (on the CPU through torchao's CPU `_scaled_mm`)."""
+    bit (on the CPU through torchao's CPU `_scaled_mm`), eager and compiled (where the amax of x and of the output
+    gradient are torch ops in the graph, `quant.fusable_amax`)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    if compiled and not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    device = "cuda" if compiled else "cpu"
     torch.manual_seed(0)
     theirs = nn.Sequential(nn.Linear(64, 96, bias=False)).to(device, torch.bfloat16)
     ours = copy.deepcopy(theirs)
@@ -210,8 +211,9 @@ def test_tensorwise_linears_give_torchaos_bits_and_save_their_operands_in_fp8(co
 @pytest.mark.gpu
 def test_the_tensorwise_kernel_gives_the_torch_ops_bits_in_both_layouts_and_keeps_nan():
     """`fp8_kernels.fp8_tensorwise` against `quant.to_fp8_tensorwise`'s torch ops (on the CPU): partial tiles, a
-    transposed input, e4m3 and e5m2, bit for bit; a NaN anywhere makes every output NaN and an inf makes the scale 0,
-    as torch's max and clamp do, so that the divergence guard sees a non-finite gradient norm."""
+    transposed input, e4m3 and e5m2, its own amax pass or a given amax (bf16, as a compiled graph's fused amax is),
+    bit for bit; a NaN anywhere makes every output NaN and an inf makes the scale 0, as torch's max and clamp do, so
+    that the divergence guard sees a non-finite gradient norm."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from dsv3.fp8_kernels import fp8_tensorwise
@@ -220,19 +222,22 @@ def test_the_tensorwise_kernel_gives_the_torch_ops_bits_in_both_layouts_and_keep
     for rows, cols in ((4097, 129), (33, 8200)):
         x = (torch.randn(cols, rows, device="cuda", dtype=torch.bfloat16) * 3).t()  # [rows, cols], not contiguous
         for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            ours = fp8_tensorwise(x, dtype == torch.float8_e5m2)
             torchs = quant.to_fp8_tensorwise(x.cpu(), dtype)
-            assert [t.shape for t in ours] == [(rows, cols), (cols, rows), ()]
-            for mine, theirs in zip(ours, torchs):
-                assert torch.equal(mine.cpu().view(torch.uint8 if mine.dim() else torch.int32),
-                                   theirs.view(torch.uint8 if theirs.dim() else torch.int32))
+            for amax in (None, x.abs().amax(-1).amax()):
+                ours = fp8_tensorwise(x, amax, dtype == torch.float8_e5m2)
+                assert [t.shape for t in ours] == [(rows, cols), (cols, rows), ()]
+                for mine, theirs in zip(ours, torchs):
+                    assert torch.equal(mine.cpu().view(torch.uint8 if mine.dim() else torch.int32),
+                                       theirs.view(torch.uint8 if theirs.dim() else torch.int32))
     x = torch.randn(300, 200, device="cuda", dtype=torch.bfloat16)
     x[7, 5] = float("nan")
-    x8, x8_t, scale = fp8_tensorwise(x)
-    assert scale.isnan() and x8.float().isnan().all() and x8_t.float().isnan().all()
+    for amax in (None, x.abs().amax()):
+        x8, x8_t, scale = fp8_tensorwise(x, amax)
+        assert scale.isnan() and x8.float().isnan().all() and x8_t.float().isnan().all()
     x[7, 5] = float("-inf")
-    x8, x8_t, scale = fp8_tensorwise(x)
-    assert scale == 0 and x8.float().isnan().sum() == 1 and x8_t.float()[5, 7].isnan()
+    for amax in (None, x.abs().amax()):
+        x8, x8_t, scale = fp8_tensorwise(x, amax)
+        assert scale == 0 and x8.float().isnan().sum() == 1 and x8_t.float()[5, 7].isnan()
 
 
 # ------------------------------------------------------------------------------------------- numerics
