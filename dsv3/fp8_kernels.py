@@ -35,8 +35,9 @@ replace the amax pass.
 Tensorwise (`fp8_tensorwise`): each GEMM operand of a dense linear (x, W, the output gradient) is read by two GEMMs,
 row-major by one and transposed by the other, with one scale. One read that writes both layouts, after an amax pass
 (6 bytes per element) or, given the amax, without one: inside a compiled graph, inductor fuses the amax of x and of
-the output gradient into the kernels that make them (`quant.Fp8TensorwiseLinear`). Inductor, given the same casts in torch ops (torchao's Float8Linear), wrote the transposed
-layout in a pass of its own and ran well under the bandwidth (README, "Precision").
+the output gradient into the kernels that make them (`quant.Fp8TensorwiseLinear`). Inductor, given the casts in torch
+ops (torchao's Float8Linear), wrote the transposed layout in a pass of its own, well under the bandwidth (README,
+"Precision").
 
 Imported only when FP8 experts or tensorwise linears run: it needs triton and a CUDA GPU.
 """
