@@ -251,8 +251,7 @@ def to_fp8_tensorwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
 def fusable_amax(x: torch.Tensor) -> torch.Tensor | None:
     """max |x| [M, K] as torch ops inside a compiled graph, a max along each row and then over the rows: inductor
     fuses that row reduction into the kernel that makes x (a norm, SwiGLU, their backward), where a pass of its own
-    would read x again. Eager (None), the cast's kernel makes its own amax pass, faster than
-    torch's ops there."""
+    would read x again. Eager (None), the cast's kernel makes its own amax pass, faster than torch's ops there."""
     return x.abs().amax(-1).amax() if torch.compiler.is_compiling() else None
 
 
