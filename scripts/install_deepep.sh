@@ -105,7 +105,8 @@ fi
 echo "building DeepEP in place (TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0})"
 (cd "$src" && DISABLE_NVSHMEM=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} "$PYTHON" setup.py build_ext --inplace)
 
-n_gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+# the GPUs this process may use (CUDA_VISIBLE_DEVICES respected; nvidia-smi would list the node's)
+n_gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if (( n_gpus >= 2 )); then
   echo "running DeepEP's intranode test on 2 of $n_gpus GPUs"
   (cd "$src" && PYTHONPATH="$src${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" tests/test_intranode.py --num-processes 2)
