@@ -315,13 +315,16 @@ def _adamw_weight_blocks_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr
     hash_base = base.to(tl.int32) * -1640531535 + seed.to(tl.int32)
     amax = tl.zeros([ROWS, BLOCK], tl.float32)  # reduced over its rows once, at the end, as the tiles' kernel does
     # The update rounds where eager CUDA's `adamw_update` does (launched without fp fusion; its fmas are explicit):
-    # lerp is fma(w, end − start, start), addcmul fma(value, t1·t2, self).
+    # lerp is fma(w, end − start, start) below w = 0.5, else fma(w − 1, end − start, end); addcmul is
+    # fma(value, t1·t2, self).
+    lerp_from_start = beta1_complement < 0.5
+    lerp_weight = tl.where(lerp_from_start, beta1_complement, beta1_complement - 1.0)
     for part in tl.range(0, BLOCK // ROWS):
         rows = block_row * BLOCK + part * ROWS + tl.arange(0, ROWS)
         index = rows[:, None] * K + cols[None, :]
         g = tl.load(grad_ptr + index).to(tl.float32) * grad_scale
         m = tl.load(exp_avg_ptr + index).to(tl.float32)
-        m = tl.fma(beta1_complement, g - m, m)
+        m = tl.fma(lerp_weight, g - m, tl.where(lerp_from_start, m, g))
         v = tl.fma(beta2_complement, g * g, tl.load(exp_avg_sq_ptr + index).to(tl.float32) * beta2)
         p = tl.load(param_ptr + index) * decay
         p = p - tl.div_rn(step_size * m, tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps)

@@ -192,7 +192,8 @@ def _same_blocks(ours: tuple[torch.Tensor, ...], theirs: tuple[torch.Tensor, ...
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
-def test_the_blockwise_experts_update_is_adamw_update_writing_the_fp8_blocks_of_its_bf16_copy(state_dtype):
+@pytest.mark.parametrize("beta1", [0.9, 0.3])  # lerp rounds otherwise from its weight 1 − β1 = 0.5 on
+def test_the_blockwise_experts_update_is_adamw_update_writing_the_fp8_blocks_of_its_bf16_copy(state_dtype, beta1):
     """fp8_kernels.adamw_weight_blocks: θ and both moments bit for bit eager CUDA's adamw_update (stochastic
     rounding included), and, in place of the bf16 copy, fp8_weight_blocks of that copy, bit for bit."""
     if torch.cuda.get_device_capability() < (8, 9):
@@ -210,10 +211,10 @@ def test_the_blockwise_experts_update_is_adamw_update_writing_the_fp8_blocks_of_
     seed, salt = torch.tensor(1234567, device="cuda"), torch.tensor(optim.rounding_salt(5, param), device="cuda")
     expected = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
     copy = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
-    optim.adamw_update(*(t.view(-1) for t in (expected[0], grad, expected[1], expected[2])), step_size, decay, 0.9,
+    optim.adamw_update(*(t.view(-1) for t in (expected[0], grad, expected[1], expected[2])), step_size, decay, beta1,
                        0.95, 1e-8, bias_correction2_sqrt, grad_scale, seed, salt, copy.view(-1))
     blocks = tuple(torch.empty_like(t) for t in fp8_weight_blocks(copy))
-    adamw_weight_blocks(param, grad, exp_avg, exp_avg_sq, blocks, step_size, decay, 0.9, 0.95, 1e-8,
+    adamw_weight_blocks(param, grad, exp_avg, exp_avg_sq, blocks, step_size, decay, beta1, 0.95, 1e-8,
                         bias_correction2_sqrt, grad_scale, seed, salt)
     for ours, theirs in zip((param, exp_avg, exp_avg_sq), expected):
         assert torch.equal(ours, theirs)
