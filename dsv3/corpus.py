@@ -217,7 +217,15 @@ def parse_jsonl_line(raw: bytes, options: ReadOptions) -> str | None:
     if not isinstance(record[key], str):
         raise ValueError(f"{key!r} is a {type(record[key]).__name__}, not a string; choose the text field with "
                          "--text-key.")
-    return record[key]
+    text = record[key]
+    # JSON may escape half a UTF-16 pair (\ud800), which no tokenizer takes; isascii() is O(1), ASCII has none.
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{key!r} holds a lone surrogate (an unpaired \\u{ord(text[e.start]):04x} escape), "
+                             "which is not text; fix or drop the line.") from None
+    return text
 
 
 def count_lines(path: Path, stop: int) -> int:

@@ -81,11 +81,12 @@ def prepare(
     val_fraction of the token stream."""
     if not 0 <= val_fraction <= 0.5:
         raise UserError(f"--val-fraction {val_fraction} is outside [0, 0.5]; pick e.g. 0.01.")
-    if workers < 1 or chunk_bytes < 1:
-        raise UserError(f"--workers ({workers}) and --chunk-mb must be positive.")
+    if workers < 1 or chunk_bytes < 1 or shard_tokens < 1:
+        raise UserError(f"--workers ({workers}), --chunk-mb and --shard-tokens ({shard_tokens}) must be positive.")
     tokenizer = Tokenizer(tokenizer_path)
-    dtype = dtype or ("uint16" if tokenizer.vocab_size <= 65535 else "uint32")
-    if tokenizer.vocab_size > np.iinfo(dtype).max:
+    max_id = tokenizer.vocab_size - 1
+    dtype = dtype or ("uint16" if max_id <= np.iinfo(np.uint16).max else "uint32")
+    if max_id > np.iinfo(dtype).max:
         raise UserError(
             f"tokenizer vocab {tokenizer.vocab_size} does not fit in {dtype}; use --dtype uint32 or omit --dtype."
         )

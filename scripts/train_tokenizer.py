@@ -62,10 +62,11 @@ def train_tokenizer(
     column: str = "text",
     num_threads: int = 2,
     kind: str = "sentencepiece",
+    encoding: str = "utf-8",
 ) -> Path:
     """Train on `inputs` (None or [] = the stdlib corpus); writes and returns OUT.model (sentencepiece) or the
     directory OUT/ holding tokenizer.json + tokenizer_config.json (hf-bpe)."""
-    sentences = training_sentences(iter_documents(inputs, text_key, column), max_chars)
+    sentences = training_sentences(iter_documents(inputs, text_key, column, encoding), max_chars)
     if kind == "hf-bpe":
         return train_hf_bpe(sentences, Path(out), vocab_size)
     model = io.BytesIO()
@@ -89,7 +90,9 @@ def train_tokenizer(
     )
     path = Path(out + ".model")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(model.getvalue())
+    staging = path.with_name(f"{path.name}.tmp-{os.getpid()}")  # a crash mid-write leaves the old model whole
+    staging.write_bytes(model.getvalue())
+    staging.replace(path)
     return path
 
 
@@ -150,9 +153,11 @@ def main() -> None:
     parser.add_argument("--column", default="text", help="parquet column holding the document")
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="sentencepiece only; hf-bpe trains on all cores, or RAYON_NUM_THREADS")
+    parser.add_argument("--encoding", default="utf-8", help=".txt/.jsonl text encoding, e.g. latin-1")
     args = parser.parse_args()
     path = train_tokenizer(
-        args.input, args.out, args.vocab_size, args.max_chars, args.text_key, args.column, args.threads, args.kind
+        args.input, args.out, args.vocab_size, args.max_chars, args.text_key, args.column, args.threads, args.kind,
+        args.encoding,
     )
     print(f"wrote {path}")
 

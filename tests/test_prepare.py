@@ -310,3 +310,42 @@ def test_stdlib_units_hold_the_bundled_corpus_as_one_pass_read_it():
     units = stdlib_units()
     assert len(units) > 1 and "" in expected
     assert [doc for unit in units for doc in read_unit(unit, ReadOptions())] == expected
+
+
+def test_a_lone_surrogate_in_a_jsonl_line_is_an_error_naming_file_and_line(tmp_path):
+    # Valid JSON whose escape decodes to half a UTF-16 pair: not text a tokenizer can take. A whole pair is fine.
+    (tmp_path / "docs.jsonl").write_text('{"text": "rocket \\ud83d\\ude80"}\n{"text": "bad \\ud800 x"}\n')
+    with pytest.raises(UserError, match=r"docs\.jsonl:2: 'text' holds a lone surrogate \(an unpaired \\ud800"):
+        prepare([str(tmp_path / "docs.jsonl")], TOKENIZER, str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("shard_tokens", [0, -1])
+def test_shard_tokens_below_one_is_refused_before_tokenizing(tmp_path, monkeypatch, shard_tokens):
+    def tokenize_units(*args):
+        raise AssertionError("tokenized before --shard-tokens was checked")
+
+    monkeypatch.setattr(prepare_data, "tokenize_units", tokenize_units)
+    (tmp_path / "docs.jsonl").write_bytes(jsonl_bytes(DOCS[:3]))
+    with pytest.raises(UserError, match=rf"--shard-tokens \({shard_tokens}\) must be positive"):
+        prepare([str(tmp_path / "docs.jsonl")], TOKENIZER, str(tmp_path / "out"), shard_tokens=shard_tokens,
+                progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]
+
+
+@pytest.mark.parametrize("vocab_size, dtype", [(65_536, "uint16"), (65_537, "uint32")])
+def test_dtype_is_uint16_exactly_when_every_id_fits(tmp_path, monkeypatch, vocab_size, dtype):
+    class Tokenizer_(Tokenizer):  # the bundled tokenizer, claiming a vocabulary of vocab_size ids
+        def __init__(self, path: str):
+            super().__init__(path)
+            self.vocab_size = vocab_size
+
+    monkeypatch.setattr(prepare_data, "Tokenizer", Tokenizer_)
+    (tmp_path / "docs.jsonl").write_bytes(jsonl_bytes(DOCS[:3]))
+    args = [str(tmp_path / "docs.jsonl")], TOKENIZER, str(tmp_path / "out")
+    assert prepare(*args, val_fraction=0, progress=False)["train"]["dtype"] == dtype
+    if dtype == "uint16":
+        assert prepare(*args, val_fraction=0, dtype="uint16", progress=False)["train"]["dtype"] == "uint16"
+    else:
+        with pytest.raises(UserError, match=f"vocab {vocab_size} does not fit in uint16"):
+            prepare(*args, val_fraction=0, dtype="uint16", progress=False)

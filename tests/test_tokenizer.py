@@ -245,3 +245,32 @@ def test_train_tokenizer_default_kind_writes_a_sentencepiece_model(tmp_path):
     tok = Tokenizer(path)
     assert (tok.kind, tok.vocab_size, tok.bos_id, tok.eos_id, tok.add_bos) == ("sentencepiece", 400, 1, 2, False)
     assert all(tok.decode(tok.encode(text)) == text for text in TEXTS)
+
+
+def test_train_tokenizer_reads_the_corpus_in_the_encoding_given(tmp_path, monkeypatch):
+    corpus = tmp_path / "latin.txt"
+    corpus.write_bytes(("café crème déjà vu\n" * 200).encode("latin-1"))
+    out = str(tmp_path / "sp")
+    with pytest.raises(UserError, match=r"latin\.txt:1: not valid utf-8 .* --encoding latin-1"):
+        train_tokenizer([str(corpus)], out, vocab_size=300, num_threads=1)
+    monkeypatch.setattr(sys, "argv", ["train_tokenizer.py", "--input", str(corpus), "--out", out,
+                                      "--vocab-size", "300", "--threads", "1", "--encoding", "latin-1"])
+    train_tokenizer_script.main()
+    assert len(Tokenizer(out + ".model").encode("é")) == 1  # learned as a character, not two UTF-8 byte pieces
+
+
+def test_a_failed_write_leaves_the_previous_sentencepiece_model_whole(tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(TEXTS) * 40, encoding="utf-8")
+    path = train_tokenizer([str(corpus)], str(tmp_path / "sp"), vocab_size=400, num_threads=1)
+    before = path.read_bytes()
+
+    def write_half_then_fail(self: Path, data: bytes) -> int:  # as a full disk or a kill mid-write
+        with self.open("wb") as f:
+            f.write(data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", write_half_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        train_tokenizer([str(corpus)], str(tmp_path / "sp"), vocab_size=400, num_threads=1)
+    assert path.read_bytes() == before
