@@ -271,10 +271,26 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
             raise
         raise UserError(f"{path} holds no {missing.group(1)}: resume with the model, optimizer and "
                         "data.sources the run was saved with") from None
+    # DCP fills only the template's keys: of an entry the run asks for (e.g. "data"), saved state it has no place
+    # for (a source dropped from data.sources) would be skipped silently
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    expected = _flat_keys(state["train"], "train")
+    unplaced = sorted(key for key in saved if key.split(".")[0] == "train" and key.split(".")[1] in state["train"]
+                      and key not in expected)
+    if unplaced:
+        raise UserError(f"{path} holds {', '.join(unplaced[:3])}, which this run has no place for: resume with the "
+                        "data.sources the run was saved with")
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
     _restore_rng(Path(path))
     return state["train"]
+
+
+def _flat_keys(state: Any, prefix: str) -> set[str]:
+    """The keys DCP stores a nested dict under: the path of each leaf, joined by dots."""
+    if not isinstance(state, dict):
+        return {prefix}
+    return set().union(*(_flat_keys(value, f"{prefix}.{key}") for key, value in state.items()))
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

@@ -197,3 +197,12 @@ def test_data_tokenized_unlike_the_init_from_weights_is_refused_before_the_build
         train.main(["--config", CONFIG, f"--data.path={sources['prose']}", f"--checkpoint.init_from={weights}",
                     f"--checkpoint.dir={tmp_path / 'run'}", *TINY])
     assert not (tmp_path / "run").exists()
+
+
+def test_resuming_without_one_of_the_saved_sources_is_refused(sources, tmp_path):
+    """The checkpoint restores only the keys this run's state has: a dropped source must not pass unnoticed."""
+    args = ["--train.steps=2", "--checkpoint.every=2", "--train.val_every=0"]
+    run(tmp_path / "run", sources, *args, weights="prose:0.5,code:0.5")
+    with pytest.raises(UserError, match=r"holds train\.data\.sources\.code\..*resume with the data.sources"):
+        run(tmp_path / "run", sources, "--train.steps=4", "--checkpoint.every=2", "--train.val_every=0", "--resume",
+            weights="prose:1")
