@@ -26,17 +26,21 @@ from dsv3.hf import load_config_json, model_shapes, save_config
 from dsv3.tokenizer import Tokenizer
 
 
-def check_init_from(path: str | Path, cfg: ModelConfig) -> None:
+def check_init_from(path: str | Path, cfg: ModelConfig) -> str:
     """Refuse, before anything is built, a checkpoint.init_from that holds no dsv3 weights (no safetensors at all,
     or a Hugging Face checkpoint: its config.json names a model_type, its tensors are named model.layers.*), or
     weights of other shapes than this model's, naming the [model] overrides that would fit them (from the
-    config.json an export or convert_hf.py --to-dsv3 writes)."""
+    config.json an export or convert_hf.py --to-dsv3 writes). Returns a note listing the fields that differ from
+    that config.json without changing a shape (RoPE, routing: the run uses its own), "" if none."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise UserError(f"checkpoint.init_from={path} holds no *.safetensors: point it at an export, or convert an "
                         f"HF model with python scripts/convert_hf.py --to-dsv3 HF_DIR OUT_DIR")
     config_json = Path(path) / "config.json"
-    hf_config = config_json.is_file() and "model_type" in json.loads(config_json.read_text())
+    try:
+        hf_config = config_json.is_file() and "model_type" in json.loads(config_json.read_text())
+    except ValueError as e:
+        raise UserError(f"checkpoint.init_from: {config_json} is not JSON ({e}); export or convert it again") from None
     with safe_open(files[0], "pt") as f:
         hf_names = any(name.startswith("model.") for name in f.keys())
     if hf_config or hf_names:
@@ -44,16 +48,22 @@ def check_init_from(path: str | Path, cfg: ModelConfig) -> None:
                         f"python scripts/convert_hf.py --to-dsv3 {path} OUT_DIR, then pass "
                         f"--checkpoint.init_from=OUT_DIR")
     if not config_json.is_file():
-        return  # load_weights still checks every key
+        return ""  # load_weights still checks every key
     try:
         saved = load_config_json(config_json)
     except ValueError as e:
         raise UserError(f"checkpoint.init_from: {e}") from None
+    differ = [f.name for f in dataclasses.fields(cfg) if getattr(saved, f.name) != getattr(cfg, f.name)]
     if model_shapes(saved) != model_shapes(cfg):
-        fix = " ".join(f"--model.{f.name}={json.dumps(getattr(saved, f.name))}" for f in dataclasses.fields(cfg)
-                       if getattr(saved, f.name) != getattr(cfg, f.name))
+        fix = " ".join(f"--model.{name}={json.dumps(getattr(saved, name))}" for name in differ)
         raise UserError(f"checkpoint.init_from={path} holds a model of other shapes than this config's: "
                         f"match its config.json, e.g. {fix}")
+    differ = [name for name in differ if name != "init_std"]  # moot: the weights are loaded, not drawn
+    if not differ:
+        return ""
+    return (f"checkpoint.init_from={path}: this run's model differs from its config.json in "
+            + ", ".join(f"{name} {getattr(saved, name)} -> {getattr(cfg, name)}" for name in differ)
+            + " (no shape changes; the run uses its own values)")
 
 
 def load_weights(path: str | Path, model: nn.Module) -> None:

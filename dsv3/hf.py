@@ -83,14 +83,17 @@ def config_from_hf(d: dict) -> ModelConfig:
     rope, rope_type = _rope(d)
     max_seq_len = d["max_position_embeddings"]
     # transformers' V3 config has no scoring_func: its router is sigmoid only; V2 is softmax only.
-    default_score = "softmax" if d.get("model_type") == "deepseek_v2" else "sigmoid"
+    v2 = d.get("model_type") == "deepseek_v2"
+    default_score = "softmax" if v2 else "sigmoid"
+    # V2's greedy router (its default) is a plain top-k over all experts, whatever n_group says
+    grouped = not (v2 and d.get("topk_method", "greedy") == "greedy")
     cfg = dict(
         vocab_size=d["vocab_size"], dim=d["hidden_size"], inter_dim=d["intermediate_size"],
         moe_inter_dim=d["moe_intermediate_size"], n_layers=d["num_hidden_layers"],
         n_dense_layers=d.get("first_k_dense_replace") or 0, n_heads=d["num_attention_heads"],
         n_routed_experts=d["n_routed_experts"], n_shared_experts=d.get("n_shared_experts") or 0,
-        n_activated_experts=d["num_experts_per_tok"], n_expert_groups=d.get("n_group") or 1,
-        n_limited_groups=d.get("topk_group") or 1, score_func=d.get("scoring_func", default_score),
+        n_activated_experts=d["num_experts_per_tok"], n_expert_groups=grouped and d.get("n_group") or 1,
+        n_limited_groups=grouped and d.get("topk_group") or 1, score_func=d.get("scoring_func", default_score),
         route_scale=d.get("routed_scaling_factor", 1.0), route_norm=bool(d.get("norm_topk_prob", False)),
         q_lora_rank=d.get("q_lora_rank") or 0, kv_lora_rank=d["kv_lora_rank"],
         qk_nope_head_dim=d["qk_nope_head_dim"], qk_rope_head_dim=d["qk_rope_head_dim"], v_head_dim=d["v_head_dim"],
@@ -110,7 +113,9 @@ def config_from_hf(d: dict) -> ModelConfig:
 
 
 def _yarn_from_hf(rope: dict, max_seq_len: int) -> dict:
-    original = rope["original_max_position_embeddings"]
+    original = rope.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError(f"YaRN rope_scaling {rope} lacks original_max_position_embeddings, the length it stretches")
     factor = rope.get("factor") or max_seq_len / original
     if max_seq_len <= original:
         raise ValueError(f"YaRN with max_position_embeddings {max_seq_len} <= original_max_position_embeddings "
@@ -188,7 +193,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         d["rope_scaling"] = {"type": "yarn", "factor": cfg.rope_factor,
                              "original_max_position_embeddings": cfg.original_seq_len,
                              "beta_fast": cfg.beta_fast, "beta_slow": cfg.beta_slow,
-                             "mscale": cfg.mscale, "mscale_all_dim": cfg.mscale}
+                             "mscale": cfg.mscale, "mscale_all_dim": cfg.mscale,
+                             # cos/sin unscaled, as here, even where mscale 0 would have transformers scale them
+                             "attention_factor": 1.0}
     else:
         d["dsv3"].update({k: getattr(cfg, k) for k in _YARN_FIELDS})
     return d

@@ -146,6 +146,17 @@ def test_v2_softmax_one_group_plain_q_matches_transformers():
     assert all(not r.expert_bias.any() for r in ours.routers())  # V2 has no bias: b = 0
 
 
+def test_v2_greedy_routing_ignores_expert_groups_as_transformers_does():
+    torch.manual_seed(0)
+    hf_cfg = DeepseekV2Config(**HF_DIMS, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                              topk_method="greedy", n_group=4, topk_group=1, q_lora_rank=None,
+                              max_position_embeddings=64)
+    hf_model = DeepseekV2ForCausalLM(hf_cfg)
+    randomize(hf_model)
+    ours = assert_matches_hf(hf_model)
+    assert (ours.cfg.n_expert_groups, ours.cfg.n_limited_groups) == (1, 1)
+
+
 def test_yarn_matches_transformers():
     torch.manual_seed(0)
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
@@ -158,16 +169,30 @@ def test_yarn_matches_transformers():
 
 
 YARN = dataclasses.replace(TINY, max_seq_len=64, original_seq_len=16, rope_factor=4.0, mscale=0.707)
+YARN_NO_MSCALE = dataclasses.replace(YARN, mscale=0.0)  # the softmax unscaled (an HF YaRN without mscale_all_dim)
 # YaRN off (rope_factor 1), its unused parameters and the init std all off their defaults
 YARN_OFF = dataclasses.replace(TINY, original_seq_len=4096, beta_fast=16, beta_slow=2, mscale=0.5, init_std=0.02)
 
 
-@pytest.mark.parametrize("cfg", [FLAVORS["debug"], FLAVORS["16B"], FLAVORS["671B"], TINY, YARN, YARN_OFF],
-                         ids=["debug", "16B", "671B", "tiny", "yarn", "yarn-off"])
+@pytest.mark.parametrize("cfg", [FLAVORS["debug"], FLAVORS["16B"], FLAVORS["671B"], TINY, YARN, YARN_NO_MSCALE,
+                                 YARN_OFF], ids=["debug", "16B", "671B", "tiny", "yarn", "yarn-no-mscale", "yarn-off"])
 def test_config_round_trips_through_hf_and_transformers(cfg):
     assert config_from_hf(config_to_hf(cfg)) == cfg
     hf_class = DeepseekV3Config if cfg.score_func == "sigmoid" else DeepseekV2Config
     assert config_from_hf(hf_class(**config_to_hf(cfg)).to_dict()) == cfg
+
+
+@pytest.mark.parametrize("cfg", [YARN, YARN_NO_MSCALE], ids=["yarn", "yarn-no-mscale"])
+def test_exported_yarn_gives_our_logits_in_transformers(cfg):
+    """Past the original length: transformers scales cos/sin by its attention factor unless told 1.0."""
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(cfg, n_mtp_layers=0)  # transformers' model has none
+    ours = Transformer(cfg)
+    randomize(ours)
+    hf_model = DeepseekV3ForCausalLM(DeepseekV3Config(**config_to_hf(cfg), attn_implementation="eager"))
+    hf_model.load_state_dict(state_dict_to_hf(ours.state_dict(), cfg, fused_experts=True), strict=True)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 48))
+    assert max_rel_err(ours(tokens), hf_model(tokens).logits) <= 1e-5
 
 
 def test_yarn_stays_off_when_an_hf_config_without_rope_scaling_outgrows_the_kept_original_length():
@@ -204,6 +229,9 @@ def test_config_from_hf_rejects_what_dsv3_cannot_run():
             "mscale_all_dim": 0.5}
     with pytest.raises(ValueError, match="mscale == mscale_all_dim"):
         config_from_hf(d | {"rope_scaling": yarn})
+    yarn = {"type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    with pytest.raises(ValueError, match="lacks original_max_position_embeddings"):
+        config_from_hf(d | {"rope_scaling": yarn, "max_position_embeddings": 64})
 
 
 def random_ours(cfg: ModelConfig = TINY) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 
 import train
-from dsv3 import checkpoint
+from dsv3 import checkpoint, export
 from dsv3.config import FLAVORS, Config, DataConfig, ModelConfig, TrainConfig, UserError, run_main
 from dsv3.hf import config_to_hf
 from dsv3.model import Transformer
@@ -142,6 +143,21 @@ def test_init_from_starts_from_exported_weights(learned, tmp_path):
     for name, value in before.items():
         torch.testing.assert_close(after[name], value, rtol=0, atol=0, msg=name)
 
+
+
+def test_init_from_names_the_fields_it_differs_in_without_a_shape_change(learned, tmp_path):
+    """A converted release's RoPE or routing fields may differ from the run's config: no shape shows it, so it is
+    said (the run keeps its own values); a config.json cut short is one clear error."""
+    export_dir = learned / "export"
+    assert export.check_init_from(export_dir, FLAVORS["debug"]) == ""
+    other = dataclasses.replace(FLAVORS["debug"], route_scale=1.5, rope_theta=5e4, init_std=0.01)
+    note = export.check_init_from(export_dir, other)
+    assert "route_scale 2.5 -> 1.5" in note and "rope_theta 10000.0 -> 50000.0" in note and "init_std" not in note
+    cut = tmp_path / "cut"
+    shutil.copytree(export_dir, cut)
+    (cut / "config.json").write_text((export_dir / "config.json").read_text()[:40])
+    with pytest.raises(UserError, match=r"config.json is not JSON .*export or convert it again"):
+        export.check_init_from(cut, FLAVORS["debug"])
 
 # --- resume, crashes, divergence --------------------------------------------------------------------
 
