@@ -10,7 +10,9 @@ DSV3_DIR: our config.json (ModelConfig fields) + *.safetensors shards with `Tran
 Both directions write shards of at most --max-shard-gb plus model.safetensors.index.json, and hold at most
 one output shard and the routed-expert stacks still being collected, never the whole model. The tokenizer
 files beside the source's config.json (tokenizer.json, tokenizer_config.json, ...) are copied along, so that
-transformers loads model and tokenizer from one directory. Bad input stops before anything is written.
+transformers loads model and tokenizer from one directory. Bad input stops before anything is written. OUT_DIR
+must be new or empty: the conversion is written into OUT_DIR.tmp beside it and renamed to OUT_DIR when complete,
+so a conversion killed midway leaves no OUT_DIR (a rerun removes the stale OUT_DIR.tmp).
 --to-hf refuses a softmax-routed model with a trained expert bias or route_norm (HF's deepseek_v2 has neither)
 unless --allow-lossy. Files are written with the umask's mode (0644 under the usual 022), like config.json.
 """
@@ -22,6 +24,7 @@ import os
 import shutil
 import sys
 from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -46,6 +49,9 @@ def find_shards(src: Path) -> list[Path]:
     """The shards the index names, else every *.safetensors in src."""
     if (src / INDEX).exists():
         names = sorted(set(json.loads((src / INDEX).read_text())["weight_map"].values()))
+        if missing := [n for n in names if not (src / n).is_file()]:
+            raise UserError(f"{src / INDEX} names shards that are not in {src}: {', '.join(missing)}; "
+                            f"download them or fix the index.")
         return [src / n for n in names]
     shards = sorted(src.glob("*.safetensors"))
     if not shards:
@@ -72,6 +78,9 @@ def read_headers(shards: list[Path]) -> dict[str, Header]:
     for shard in shards:
         with safe_open(shard, framework="pt") as f:
             for name in f.keys():
+                if name in headers:  # which copy is meant is unknown: one of the shards is stale or misplaced
+                    raise UserError(f"{name} is in two shards, {headers[name].shard} and {shard}; "
+                                    f"remove the one that does not belong to this checkpoint.")
                 header = f.get_slice(name)
                 headers[name] = Header(shard, header.get_dtype(), header.get_shape())
     return headers
@@ -149,10 +158,27 @@ def current_umask() -> int:
     return umask
 
 
-def open_output(out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.glob("*.safetensors")):
-        raise UserError(f"{out} already holds *.safetensors shards; pick an empty output directory.")
+def check_output(out: Path) -> None:
+    """`out` must be new or empty: the finished conversion is renamed onto it, which merging into a directory that
+    holds files would not be (and could overwrite them)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out} already exists and is not an empty directory; pick a new or empty output directory.")
+
+
+@contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """A directory beside `out` to convert into, renamed to `out` once everything is written: a conversion killed
+    midway leaves no `out` that looks complete (all shards, config.json half-written), as dsv3.export does."""
+    out = Path(os.path.abspath(out))  # an OUT_DIR of "." has no name to append to
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # a killed run's leftovers
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        os.replace(tmp, out)  # atomic; replaces an empty `out` too (POSIX rename)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def copy_tokenizer(src: Path, out: Path) -> None:
@@ -173,16 +199,17 @@ def to_dsv3(src: Path, out: Path, max_bytes: int) -> None:
         print(f"{src} has no MTP layers (transformers does not save them): converting with n_mtp_layers=0")
         cfg = dataclasses.replace(cfg, n_mtp_layers=0)
     check_hf_keys(shapes, cfg)  # fail before writing anything
-    open_output(out)
-    importer, writer = FromHF(cfg), ShardWriter(out, max_bytes)
-    for name, tensor in dequantized(read_tensors(shards, len(shapes), skip=scale_names), scales, headers, block):
-        for key, converted in importer.add(name, tensor).items():
+    check_output(out)
+    with staged(out) as tmp:
+        importer, writer = FromHF(cfg), ShardWriter(tmp, max_bytes)
+        for name, tensor in dequantized(read_tensors(shards, len(shapes), skip=scale_names), scales, headers, block):
+            for key, converted in importer.add(name, tensor).items():
+                writer.add(key, converted)
+        for key, converted in importer.finish().items():
             writer.add(key, converted)
-    for key, converted in importer.finish().items():
-        writer.add(key, converted)
-    writer.close()
-    save_config(cfg, out / "config.json")
-    copy_tokenizer(src, out)
+        writer.close()
+        save_config(cfg, tmp / "config.json")
+        copy_tokenizer(src, tmp)
 
 
 def to_hf(src: Path, out: Path, max_bytes: int, fused_experts: bool, allow_lossy: bool = False) -> None:
@@ -191,14 +218,15 @@ def to_hf(src: Path, out: Path, max_bytes: int, fused_experts: bool, allow_lossy
     shapes = {n: h.shape for n, h in read_headers(shards).items()}
     check_dsv3_keys(shapes, cfg)
     check_hf_represents(cfg, expert_biases(shards), allow_lossy)
-    open_output(out)
-    writer = ShardWriter(out, max_bytes)
-    for key, tensor in read_tensors(shards, len(shapes)):
-        for name, converted in tensor_to_hf(key, tensor, cfg, fused_experts).items():
-            writer.add(name, converted)
-    writer.close()
-    (out / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
-    copy_tokenizer(src, out)
+    check_output(out)
+    with staged(out) as tmp:
+        writer = ShardWriter(tmp, max_bytes)
+        for key, tensor in read_tensors(shards, len(shapes)):
+            for name, converted in tensor_to_hf(key, tensor, cfg, fused_experts).items():
+                writer.add(name, converted)
+        writer.close()
+        (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+        copy_tokenizer(src, tmp)
 
 
 def main(argv: list[str] | None = None) -> None:

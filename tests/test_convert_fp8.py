@@ -190,3 +190,51 @@ def test_bad_fp8_input_is_one_line_before_any_output(release, tmp_path, case):
             assert [f.name for f in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == existing
         else:
             assert not out.exists()
+
+
+def killed(*args) -> None:
+    raise KeyboardInterrupt("killed")  # as the process dies after the shards, index and config.json are written
+
+
+def test_conversion_killed_midway_leaves_no_output_and_a_rerun_succeeds(release, tmp_path, monkeypatch):
+    out, staging = tmp_path / "dsv3", tmp_path / "dsv3.tmp"
+    with monkeypatch.context() as m:
+        m.setattr(convert_hf, "copy_tokenizer", killed)
+        with pytest.raises(KeyboardInterrupt):
+            convert_hf.main(["--to-dsv3", str(release.path), str(out)])
+    assert not out.exists() and not staging.exists()
+    # a SIGKILL leaves the staging directory behind, which the rerun replaces; the user may have made OUT_DIR
+    staging.mkdir()
+    save_file({"stale": torch.ones(1)}, staging / "model-00001-of-00001.safetensors")
+    out.mkdir()
+    convert_hf.main(["--to-dsv3", str(release.path), str(out)])
+    Transformer(load_config_json(out / "config.json")).load_state_dict(load_export(out), strict=True)
+    assert not staging.exists()
+    with pytest.raises(UserError, match="already exists and is not an empty directory"):
+        convert_hf.main(["--to-dsv3", str(release.path), str(out)])
+
+    with monkeypatch.context() as m:
+        m.setattr(convert_hf, "copy_tokenizer", killed)
+        with pytest.raises(KeyboardInterrupt):
+            convert_hf.main(["--to-hf", str(out), str(tmp_path / "hf")])
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp").exists()
+
+
+def test_index_naming_a_missing_shard_is_one_line_before_any_output(release, tmp_path):
+    write_release(tmp_path / "src", release.tensors, release.config)
+    (tmp_path / "src" / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(UserError, match=r"model\.safetensors\.index\.json names shards that are not in .*src: "
+                                        r"model-00002-of-00002\.safetensors;"):
+        convert_hf.main(["--to-dsv3", str(tmp_path / "src"), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
+def test_tensor_in_two_shards_is_one_line_before_any_output(release, tmp_path):
+    """Without an index every *.safetensors is a shard: a stray copy of a tensor would silently win or lose."""
+    write_release(tmp_path / "src", release.tensors, release.config)
+    (tmp_path / "src" / "model.safetensors.index.json").unlink()
+    save_file({GATE: torch.zeros_like(release.tensors[GATE])}, tmp_path / "src" / "model-extra.safetensors")
+    with pytest.raises(UserError, match=rf"{GATE} is in two shards, .*model-0000\d-of-00002\.safetensors and "
+                                        r".*model-extra\.safetensors;"):
+        convert_hf.main(["--to-dsv3", str(tmp_path / "src"), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
