@@ -103,7 +103,11 @@ def prepare(
     indexes = assemble(unit_files, dataset, tokenizer, dtype, val_fraction, shard_tokens, inputs)
     tokenizer.save(dataset / "tokenizer")
     swap_in(dataset, out)
-    shutil.rmtree(staging)
+    # renamed first: a kill inside rmtree must not leave an OUT.partial without its manifest, which blocks reruns
+    done = staging.with_name(f"{staging.name}.done-{os.getpid()}")
+    shutil.rmtree(done, ignore_errors=True)  # a killed run's, should its pid have come round again
+    staging.rename(done)
+    shutil.rmtree(done)
     return indexes
 
 

@@ -148,6 +148,25 @@ def test_killed_run_reruns_only_the_unfinished_units_and_ends_identical(tmp_path
     assert not (tmp_path / "out.partial").exists()
 
 
+
+def test_a_kill_while_the_staging_directory_is_removed_does_not_block_the_next_run(tmp_path, monkeypatch):
+    corpus = mixed_corpus(tmp_path / "corpus")
+    settings = dict(tokenizer_path=TOKENIZER, chunk_bytes=800, progress=False)
+    real_rmtree = prepare_data.shutil.rmtree
+
+    def killed_after_the_manifest(path, *args, **kwargs):  # rmtree's order is the directory's, not ours
+        if (Path(path) / "manifest.json").exists():
+            (Path(path) / "manifest.json").unlink()
+            raise KeyboardInterrupt
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(prepare_data.shutil, "rmtree", killed_after_the_manifest)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([str(corpus)], out_dir=str(tmp_path / "out"), **settings)
+    monkeypatch.undo()
+    prepare([str(corpus)], out_dir=str(tmp_path / "out"), **settings)  # no "not a staging directory" refusal
+    assert dataset_files(tmp_path / "out")
+
 def test_sigkilled_workers_leave_units_a_rerun_finishes_identically(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
