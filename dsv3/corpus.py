@@ -300,6 +300,10 @@ class Decompressed(io.RawIOBase):
         try:
             while feed:
                 if self.decompressor is None:
+                    if self.format == "gzip":  # NULs after a member pad it to a block (tapes): gunzip skips them
+                        feed = feed.lstrip(b"\0")
+                        if not feed:
+                            break
                     self.decompressor = (zlib.decompressobj(16 + zlib.MAX_WBITS) if self.format == "gzip"
                                          else zstandard.ZstdDecompressor().decompressobj())
                 out.append(self.decompressor.decompress(feed))

@@ -18,7 +18,7 @@ import zstandard
 
 import scripts.prepare_data as prepare_data
 from dsv3.config import UserError
-from dsv3.corpus import STDLIB_MAX_CHARS, ReadOptions, plan_units, read_unit, stdlib_units
+from dsv3.corpus import FEED_BYTES, STDLIB_MAX_CHARS, ReadOptions, plan_units, read_unit, stdlib_units
 from dsv3.tokenizer import Tokenizer, find_tokenizer
 from scripts.prepare_data import prepare
 
@@ -83,6 +83,17 @@ def count_tokenized_units(monkeypatch: pytest.MonkeyPatch, fail_after: int | Non
     monkeypatch.setattr(prepare_data, "tokenize_unit", tokenize_unit)
     return done
 
+
+
+def test_gzip_padded_with_nuls_after_its_members_reads_as_gunzip_does(tmp_path):
+    plain = jsonl_bytes(DOCS)
+    half = len(plain) // 2
+    padding = b"\0" * (FEED_BYTES + 100)  # across a read of the compressed stream
+    (tmp_path / "docs.jsonl.gz").write_bytes(gzip.compress(plain[:half]) + padding + gzip.compress(plain[half:])
+                                             + padding)
+    assert gzip.decompress((tmp_path / "docs.jsonl.gz").read_bytes()) == plain
+    prepare([str(tmp_path / "docs.jsonl.gz")], TOKENIZER, str(tmp_path / "out"), val_fraction=0, progress=False)
+    np.testing.assert_array_equal(read_split(tmp_path / "out" / "train"), encoded(DOCS, Tokenizer(TOKENIZER)))
 
 @pytest.mark.parametrize("fmt", ["jsonl", "txt"])
 def test_gz_and_zst_inputs_give_the_same_tokens_as_plain_files(tmp_path, fmt):
