@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from dsv3.config import Config, ModelConfig, UserError
+from dsv3.dispatch import SUPPORTED_EP
 from dsv3.metrics import attention_params, block_params, dense_and_expert_params, root_params
 from dsv3.model import LOSS_CHUNK
+from dsv3.quant import FEATURE_MULTIPLE
 
 GIB = 2**30
 
@@ -174,6 +176,11 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
     total, root, embedding = dense + experts, root_params(mc), V * mc.dim
     blocks = [block_params(mc, b >= mc.n_dense_layers) for b in range(n)]  # (dense, routed experts); MTP: MoE
     local = [bd + be / ep for bd, be in blocks]  # the parameters a GPU computes with
+    # FSDP2 splits an expert stack's E/ep experts over its efsdp ranks with torch.chunk and pads every rank's share to
+    # the largest: ceil((E/ep) / efsdp) experts, more than an even split where efsdp does not divide E/ep
+    rank_experts = -(-mc.n_routed_experts // ep // efsdp) if mc.n_routed_experts else 0
+    shard = [bd / gpus + be / max(mc.n_routed_experts, 1) * rank_experts for bd, be in blocks]  # a GPU's share
+    sharded_total = root / gpus + sum(shard)
     always, step = (0, tl.step), tl.step
     later = kinds[-1]  # the last micro-batch's phases (the first one's, with one micro-batch)
     table: list[Tensor] = []
@@ -183,8 +190,8 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
             table.append(Tensor(line, name, nbytes, first, last))
 
     state_bytes = {"fp32": 4, "bf16": 2}[t.optimizer_state_dtype]
-    add("parameters", f"fp32 parameters, sharded over {gpus}", 4 * total / gpus, *always)
-    add("optimizer states", f"AdamW's two moments in {t.optimizer_state_dtype}", 2 * state_bytes * total / gpus,
+    add("parameters", f"fp32 parameters, sharded over {gpus}", 4 * sharded_total, *always)
+    add("optimizer states", f"AdamW's two moments in {t.optimizer_state_dtype}", 2 * state_bytes * sharded_total,
         *always)
     add("overhead", "cuBLAS, cuDNN and compiled-kernel workspaces", OVERHEAD_GIB * GIB, *always)
 
@@ -251,7 +258,7 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
             if unsharded:
                 add("gradients", f"{tl.name(b)}: fp32 unsharded accumulator", 4 * local[b], tl.handed_on[0][b],
                     reduced_at)
-            add("gradients", f"{tl.name(b)}: fp32 sharded gradient", 4 * sum(blocks[b]) / gpus, reduced_at, step)
+            add("gradients", f"{tl.name(b)}: fp32 sharded gradient", 4 * shard[b], reduced_at, step)
         for k in kinds:
             add("gradients", "root: unsharded bf16 gradient but the embedding's", 2 * (root - embedding),
                 tl.backward[k][n - 1], tl.embedding[k])
@@ -497,16 +504,18 @@ def gpu_kind(device_name: str) -> str:
 
 
 def _fixes(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) -> list[tuple[str, Plan]]:
-    """Single changes that make the plan fit, cheapest first: AC mode, then ep, then a smaller micro-batch."""
+    """Single changes that make the plan fit (AC mode, ep, a smaller micro-batch) and that the run accepts (DeepEP's
+    ep, the low-precision GEMMs' token multiple), the fastest planned step first."""
     t, p = cfg.train, cfg.parallel
     n_experts = cfg.model_config().n_routed_experts
     modes = ("none", "selective", "full")
     candidates = [("train", "activation_checkpoint", mode)
                   for mode in modes[modes.index(t.activation_checkpoint) + 1:]]
     candidates += [("parallel", "ep", ep) for ep in range(p.ep + 1, gpus + 1)
-                   if gpus % ep == 0 and n_experts % ep == 0]
+                   if gpus % ep == 0 and n_experts % ep == 0 and (p.ep_backend != "deepep" or ep in SUPPORTED_EP)]
+    multiple = FEATURE_MULTIPLE.get(t.precision, 1)
     candidates += [("train", "micro_batch", mb) for mb in range(t.micro_batch - 1, 0, -1)
-                   if t.global_batch % (mb * gpus) == 0]
+                   if t.global_batch % (mb * gpus) == 0 and mb * t.seq_len % multiple == 0]
     found = []
     for section, key, value in candidates:
         changed = copy.deepcopy(cfg)
@@ -514,7 +523,7 @@ def _fixes(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) 
         candidate = plan(changed, gpus, gpu, capacity_gib)
         if candidate.fits:
             found.append((f"--{section}.{key}={value}", candidate))
-    return found
+    return sorted(found, key=lambda fix: fix[1].step_s)
 
 
 def advice(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) -> str:

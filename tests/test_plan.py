@@ -10,7 +10,7 @@ import train
 from dsv3.config import FLAVORS, UserError, load_config, run_main
 from dsv3.model import Transformer
 from dsv3.metrics import block_params, dense_and_expert_params
-from dsv3.plan import COLLECTIVE_EFFICIENCY, FIT_FRACTION, GIB, INFINIBAND_GB_S, check_fits, plan
+from dsv3.plan import COLLECTIVE_EFFICIENCY, FIT_FRACTION, GIB, INFINIBAND_GB_S, _fixes, check_fits, plan
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import plan as plan_cli  # noqa: E402  (scripts/plan.py)
@@ -49,6 +49,29 @@ def test_parameter_and_optimizer_bytes_match_adamw_on_the_debug_model(gpus):
     cfg.train.optimizer_state_dtype = "bf16"
     assert plan(cfg, gpus, "h100").memory["optimizer states"] * GIB * gpus == pytest.approx(state_bytes / 2, rel=1e-12)
 
+
+
+def test_parameter_bytes_are_the_fullest_ranks_where_fsdp_cannot_split_the_experts_evenly():
+    """8 GPUs at EP 2: each expert stack's 2 local experts over 4 FSDP ranks, 1 on rank 0 and none on rank 3
+    (torch.chunk), not half of one each. FSDP2 and EP applied for real, a fake process group standing for rank 0."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dsv3 import parallel
+
+    world, ep = 8, 2
+    cfg = load_config("configs/debug.toml", [f"--parallel.ep={ep}", "--model.n_routed_experts=4",
+                                             "--train.global_batch=64", "--train.optimizer_state_dtype=fp32"])
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        with torch.device("meta"):
+            model = Transformer(cfg.model_config())
+        meshes = parallel.build_meshes("cpu", world, ep)
+        parallel.apply_expert_parallel(model, meshes)
+        parallel.apply_fsdp(model, meshes, torch.float32, torch.float32, ep)
+        held = sum(p.to_local().numel() * 4 for p in model.parameters())
+    finally:
+        torch.distributed.destroy_process_group()
+    assert plan(cfg, world, "h100").memory["parameters"] * GIB == pytest.approx(held, rel=1e-3)
 
 # Our measurements (peak = torch.cuda.max_memory_allocated, scripts/bench.py): the calibration's specification.
 MEASURED = [  # (config, overrides, GPUs, kind, GiB per GPU, tokens/s per GPU)
@@ -238,7 +261,24 @@ def test_cli_names_the_fix_when_the_plan_does_not_fit(capsys):
     plan_cli.main(["--config", "configs/16b.toml", "--parallel.ep=8", "--train.micro_batch=8"])
     out = capsys.readouterr().out
     assert "does NOT fit" in out
-    assert "to fit, set --train.activation_checkpoint=full (plan: " in out
+    assert "to fit, set --train.micro_batch=4 (plan: " in out  # the fastest planned fix first
+
+
+def test_fixes_are_the_fastest_first_and_ones_the_run_would_accept():
+    mb2 = ["--parallel.ep=8", "--train.micro_batch=2", "--train.seq_len=4080", "--train.global_batch=16"]
+    fixes = _fixes(load_config("configs/16b.toml", mb2), 8, "h100", capacity_gib=60 / FIT_FRACTION)
+    assert [f for f, _ in fixes][0] == "--train.micro_batch=1"
+    assert [fix.step_s for _, fix in fixes] == sorted(fix.step_s for _, fix in fixes)
+    # 1 × 4080 tokens: not whole blocks of 32 for MXFP8's GEMMs, which the run refuses
+    emulated = load_config("configs/16b.toml", [*mb2, "--train.precision=mxfp8-emulated"])
+    assert "--train.micro_batch=1" not in [f for f, _ in _fixes(emulated, 8, "h100", capacity_gib=60 / FIT_FRACTION)]
+    full_ac = ["--train.micro_batch=1", "--train.global_batch=16", "--train.activation_checkpoint=full",
+               "--parallel.ep=2"]
+    eps = {}
+    for backend in ("all_to_all", "deepep"):
+        cfg = load_config("configs/16b.toml", [*full_ac, f"--parallel.ep_backend={backend}"])
+        eps[backend] = {f for f, _ in _fixes(cfg, 16, "h100", capacity_gib=16.5 / FIT_FRACTION)}
+    assert "--parallel.ep=16" in eps["all_to_all"] and eps["deepep"] == {"--parallel.ep=4", "--parallel.ep=8"}
 
 
 def test_cli_says_its_memory_lines_are_what_is_alive_at_the_peak(capsys):
