@@ -493,6 +493,9 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
         f"EP receive buffers: a balanced router's T·K copies × {EP_HEADROOM} headroom",
         "bf16 GEMMs and the all_to_all dispatcher: fp8/mxfp8 and DeepEP, both faster, are not modelled",
     ]
+    if not t.compile:  # the activation terms were measured on compiled blocks, which recompute more under AC
+        assumptions.append("train.compile is off: eager blocks save more for backward than this plan counts "
+                           "(measured compiled; selective AC keeps every matmul's output)")
     return Plan(gpus, gpu, capacity_gib or kind.memory_gib, timeline.phases, _memory_table(cfg, gpus, timeline),
                 _step_time(cfg, gpus, kind, micro_batches), micro_batches * t.micro_batch * t.seq_len, assumptions)
 

@@ -302,3 +302,10 @@ def test_train_refuses_a_config_that_cannot_fit_before_building_the_model(monkey
     monkeypatch.setattr(train, "build_model", build_model)
     with pytest.raises(UserError, match="cannot fit the GPU"):
         train.main(["--config", CUT_16B])
+
+
+def test_an_eager_run_is_told_its_activations_are_planned_as_compiled_blocks():
+    compiled, eager = (plan(load_config("configs/16b.toml", [f"--train.compile={on}"]), 16, "h100")
+                       for on in ("true", "false"))
+    assert not any("compile is off" in line for line in compiled.assumptions)
+    assert any("compile is off: eager blocks save more" in line for line in eager.assumptions)
