@@ -280,8 +280,11 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     if unplaced:
         raise UserError(f"{path} holds {', '.join(unplaced[:3])}, which this run has no place for: resume with the "
                         "data.sources the run was saved with")
+    hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
+    for group, kept in zip(optimizer.param_groups, hyperparameters, strict=True):
+        group.update(kept)  # this run's betas and weight decay, not the saved run's (its moments are the state)
     _restore_rng(Path(path))
     return state["train"]
 

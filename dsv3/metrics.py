@@ -256,7 +256,10 @@ def _rewind(path: str, start_step: int) -> float:
     if not os.path.exists(path):
         return 0.0
     with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
+        lines = [line for line in f if line.strip()]
+    if lines and not lines[-1].endswith("\n"):  # a row cut short by a kill mid-write: none of it is kept
+        lines.pop()
+    kept = [line for line in lines if json.loads(line)["step"] <= start_step]
     with open(path + ".tmp", "w") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)

@@ -105,6 +105,21 @@ def test_resume_restores_the_rng_stream_at_the_same_world_size(tmp_path, device)
     assert torch.equal(torch.rand(5, device=device), fresh)  # the fresh stream is kept
 
 
+
+def test_resume_keeps_its_own_betas_and_weight_decay_and_the_saved_moments(tmp_path):
+    """Lowering β2 or the weight decay after a loss spike, then resuming, must take effect."""
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), betas=(0.9, 0.95), weight_decay=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    saved = checkpoint.save(tmp_path, 1, model, optimizer, {"step": 1}, keep=1)
+    moments = optimizer.state[model.weight]["exp_avg_sq"].clone()
+    model.zero_grad(set_to_none=True)  # as a restarted process has none
+    resumed = torch.optim.AdamW(model.parameters(), betas=(0.9, 0.5), weight_decay=0.0)
+    checkpoint.load(saved, model, resumed, {"step": 0})
+    assert (resumed.param_groups[0]["betas"], resumed.param_groups[0]["weight_decay"]) == ((0.9, 0.5), 0.0)
+    assert torch.equal(resumed.state[model.weight]["exp_avg_sq"], moments)
+
 def test_export_written_by_two_ranks_holds_the_full_model(tmp_path):
     """Each rank writes its shards and assembles its share of the files: full tensors, one file per block, equal
     to the last checkpoint; readable by plain safetensors and by export.load_weights; nothing left behind."""

@@ -135,7 +135,8 @@ def test_log_appends_parseable_jsonl_lines(tmp_path):
 
 def test_a_resumed_run_rewinds_metrics_jsonl_and_continues_its_elapsed_time(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0, "elapsed_s": 100.0 * s}) + "\n"
-                                                    for s in range(1, 6)))  # a run that crashed after step 5
+                                                    for s in range(1, 6))  # a run that crashed after step 5,
+                                            + '{"step": 6, "loss": 1.')  # killed while writing step 6's row
     logger = MetricsLogger(str(tmp_path), {}, total_steps=10, start_step=2)  # resumed from step-2
     logger.log(3, {"loss": 0.5})
     logger.close()
