@@ -398,8 +398,8 @@ def validate(cfg: Config) -> None:
                                ("log.every", cfg.log.every, 1), ("log.expert_load_every", cfg.log.expert_load_every, 0),
                                ("checkpoint.every", cfg.checkpoint.every, 0),
                                ("checkpoint.keep", cfg.checkpoint.keep, 0)):
-        if not value >= least:  # `not >=` also catches nan
-            raise UserError(f"{name} must be >= {least}, got {value}")
+        if not least <= value < math.inf:  # `not` also catches nan
+            raise UserError(f"{name} must be >= {least} and finite, got {value}")
     for name, value in (("train.min_lr_ratio", t.min_lr_ratio), ("train.decay_start", t.decay_start),
                         ("train.mtp_lambda_switch", t.mtp_lambda_switch)):
         if not 0 <= value <= 1:
@@ -423,8 +423,10 @@ def validate(cfg: Config) -> None:
     if t.batch_ramp_steps and not 0 < t.batch_ramp_start <= t.global_batch:
         raise UserError("train.batch_ramp_start must be in (0, train.global_batch] when batch_ramp_steps > 0")
     for name in ("loss_spike_factor", "grad_norm_spike_factor"):
-        if getattr(t, name) and getattr(t, name) <= 1:
+        if not (getattr(t, name) == 0 or getattr(t, name) > 1):  # nan, which would turn the guard off, too
             raise UserError(f"train.{name} must be 0 (off) or > 1, got {getattr(t, name)}")
+    if t.seq_len <= mc.n_mtp_layers:  # MTP depth k predicts token i + k + 1: no position would be left
+        raise UserError(f"train.seq_len ({t.seq_len}) must exceed model.n_mtp_layers ({mc.n_mtp_layers})")
     if cfg.data.sources and cfg.data.path != DataConfig.path:
         raise UserError(f"data.path ({cfg.data.path}) and data.sources are both set: a single dataset is "
                         f"data.path, a mixture is data.sources (e.g. --data.sources={cfg.data.path}:1,other:1)")

@@ -324,14 +324,18 @@ def test_resume_with_no_checkpoint_is_an_error_not_a_fresh_start(data, tmp_path,
     (["--train.seq_len=512"], UserError, r"seq_len \(512\) exceeds model.max_seq_len \(256\)"),
     (["--parallel.ep=2"], UserError, "parallel.ep=2 must divide the world size 1"),
     (["--checkpoint.init_from=/nonexistent/weights"], UserError, r"holds no \*.safetensors"),
-    (["--log.every=0"], UserError, "log.every must be >= 1, got 0"),
-    (["--train.val_batches=0"], UserError, "train.val_batches must be >= 1, got 0"),
+    (["--log.every=0"], UserError, "log.every must be >= 1 and finite, got 0"),
+    (["--train.val_batches=0"], UserError, "train.val_batches must be >= 1 and finite, got 0"),
+    (["--train.bias_update_speed=inf"], UserError, "train.bias_update_speed must be >= 0 and finite, got inf"),
     (["--train.loss_spike_factor=0.5"], UserError, r"train.loss_spike_factor must be 0 \(off\) or > 1, got 0\.5"),
+    (["--train.grad_norm_spike_factor=nan"], UserError, r"train.grad_norm_spike_factor must be 0 \(off\) or > 1"),
+    (["--train.seq_len=1"], UserError, r"train.seq_len \(1\) must exceed model.n_mtp_layers \(1\)"),
     (["--checkpoint.dir=/dev/null/run"], UserError, "checkpoint.dir=/dev/null/run cannot be written"),
     (["--train.device=cpu", "--train.compile=true"], UserError,
      "^train.compile=true needs a CUDA GPU: .* use --train.compile=false$"),
 ], ids=["flavor", "key", "model-key", "no-value", "no-dashes", "type", "data", "vocab", "batch", "seq-len",
-        "ep", "init-from", "log-every", "val-batches", "spike-factor", "unwritable-dir", "compile-on-cpu"])
+        "ep", "init-from", "log-every", "val-batches", "inf-speed", "spike-factor", "nan-spike-factor",
+        "seq-len-mtp", "unwritable-dir", "compile-on-cpu"])
 def test_bad_input_is_a_clear_error_before_the_model_is_built(data, tmp_path, monkeypatch, overrides, error,
                                                                 message):
     def build_model(*args, **kwargs):
