@@ -67,16 +67,25 @@ def estimated_bytes(n_params: int, optimizer_state_dtype: str) -> int:
 
 
 def check_free_space(run_dir: str | Path, checkpoint_bytes: int) -> None:
-    """Refuse to start when `run_dir` is not writable or cannot hold one more checkpoint."""
+    """Refuse to start, on every rank, when `run_dir` is not writable from some rank or cannot hold one more
+    checkpoint."""
     run_dir = Path(run_dir)
-    probe = run_dir / f".write-test-{os.getpid()}"
+    problem = None
+    # ranks on several hosts of a shared filesystem may share a pid (containers): the name must be theirs alone
+    probe = run_dir / f".write-test-{socket.gethostname()}-{_rank()}-{os.getpid()}"
     try:
         probe.write_bytes(b"x")
         probe.unlink()
     except OSError as e:
-        raise UserError(f"checkpoint.dir={run_dir} is not writable ({e.strerror}): choose another "
-                        f"--checkpoint.dir") from e
-    free = shutil.disk_usage(run_dir).free
-    if free < checkpoint_bytes:
-        raise UserError(f"checkpoint.dir={run_dir} has {free / 2**30:.1f} GiB free but one checkpoint needs about "
-                        f"{checkpoint_bytes / 2**30:.1f} GiB: free space, or choose another --checkpoint.dir")
+        problem = f"checkpoint.dir={run_dir} is not writable ({e.strerror}): choose another --checkpoint.dir"
+    else:
+        free = shutil.disk_usage(run_dir).free
+        if free < checkpoint_bytes:
+            problem = (f"checkpoint.dir={run_dir} has {free / 2**30:.1f} GiB free but one checkpoint needs about "
+                       f"{checkpoint_bytes / 2**30:.1f} GiB: free space, or choose another --checkpoint.dir")
+    if dist.is_initialized():  # a rank that stopped alone would leave the others in their first collective
+        problems: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((f"{found} (rank {rank})" for rank, found in enumerate(problems) if found), None)
+    if problem:
+        raise UserError(problem)

@@ -238,6 +238,29 @@ def test_a_run_directory_without_room_for_one_checkpoint_is_refused(tmp_path):
     rundir.check_free_space(tmp_path, 1 << 10)
 
 
+
+def _check_space_where_rank_1_cannot_write(rank: int, world: int, port: int, run_dir: Path, results: Path) -> None:
+    torchrun_env(rank, world, port)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    if rank == 1:  # as a host whose mount is read-only
+        rundir.Path.write_bytes = lambda self, data: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))
+    try:
+        rundir.check_free_space(run_dir, 1 << 10)
+        outcome = "fine"
+    except UserError as e:
+        outcome = str(e)
+    (results / f"rank-{rank}").write_text(outcome)
+    leave_process_group()
+
+
+def test_a_run_directory_one_rank_cannot_write_stops_every_rank(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    mp.spawn(_check_space_where_rank_1_cannot_write, args=(2, free_port(), tmp_path, results), nprocs=2)
+    outcomes = {(results / f"rank-{rank}").read_text() for rank in range(2)}
+    assert outcomes == {f"checkpoint.dir={tmp_path} is not writable (Permission denied): choose another "
+                        "--checkpoint.dir (rank 1)"}
+
 def _rename_fails_on_rank_0(rank: int, world: int, port: int, run_dir: Path, results: Path) -> None:
     torchrun_env(rank, world, port)
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
