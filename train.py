@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     loader = MixtureLoader(cfg.data.mixture(), "train", t.seq_len, rank, world, seed=t.seed)
     if t.val_every:
         MixtureLoader(cfg.data.mixture(), "val", t.seq_len)  # fail now, not at the first validation
+    if resume_path:  # other data (sources, seq_len, a re-prepared dataset) stops here, before the model is built
+        loader.load_state_dict(checkpoint.load_train_state(resume_path, {"data": loader.state_dict()})["data"])
     if rank == 0:
         print(startup_banner(cfg, world, device, memory_plan.summary() if memory_plan else None,
                              describe_mixture(loader, sum(batch_at(s, t, world) for s in range(1, t.steps + 1)))),
@@ -242,9 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     start_step = 0
     unconfirmed: list[int] = []  # saved checkpoints whose next step has not been seen healthy yet
     if resume_path:
-        state = checkpoint.load(resume_path, model, optimizer, {"step": 0, "data": loader.state_dict()})
-        start_step = state["step"]
-        loader.load_state_dict(state["data"])
+        start_step = checkpoint.load(resume_path, model, optimizer, {"step": 0})["step"]
         if not checkpoint.is_confirmed(resume_path):  # the last run crashed right after saving it
             unconfirmed.append(start_step)
         if rank == 0:

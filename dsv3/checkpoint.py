@@ -262,6 +262,26 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     train_state (`train_state` gives its keys and types)."""
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
              "train": train_state}
+    _load_train_and(state, path)
+    hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    for group, kept in zip(optimizer.param_groups, hyperparameters, strict=True):
+        group.update(kept)  # this run's betas and weight decay, not the saved run's (its moments are the state)
+    _restore_rng(Path(path))
+    return state["train"]
+
+
+def load_train_state(path: str | Path, train_state: dict[str, Any]) -> dict[str, Any]:
+    """The saved train_state alone (`train_state` gives its keys and types): a few bytes, read before the model
+    is built, so that a run resumed with other data stops before the expensive load."""
+    state = {"train": train_state}
+    _load_train_and(state, path)
+    return state["train"]
+
+
+def _load_train_and(state: dict[str, Any], path: str | Path) -> None:
+    """dcp.load of `state` (its "train" entry and whatever else it holds), the saved train state checked whole."""
     try:
         with _quiet_without_group():
             dcp.load(state, checkpoint_id=str(path))
@@ -280,13 +300,6 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     if unplaced:
         raise UserError(f"{path} holds {', '.join(unplaced[:3])}, which this run has no place for: resume with the "
                         "data.sources the run was saved with")
-    hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
-    for group, kept in zip(optimizer.param_groups, hyperparameters, strict=True):
-        group.update(kept)  # this run's betas and weight decay, not the saved run's (its moments are the state)
-    _restore_rng(Path(path))
-    return state["train"]
 
 
 def _flat_keys(state: Any, prefix: str) -> set[str]:

@@ -199,10 +199,14 @@ def test_data_tokenized_unlike_the_init_from_weights_is_refused_before_the_build
     assert not (tmp_path / "run").exists()
 
 
-def test_resuming_without_one_of_the_saved_sources_is_refused(sources, tmp_path):
-    """The checkpoint restores only the keys this run's state has: a dropped source must not pass unnoticed."""
+def test_resuming_with_other_data_is_refused_before_the_model_is_built(sources, tmp_path, monkeypatch):
+    """The checkpoint restores only the keys this run's state has: a dropped source must not pass unnoticed; it and
+    another seq_len are caught from the saved data state alone, before a model is built and loaded."""
     args = ["--train.steps=2", "--checkpoint.every=2", "--train.val_every=0"]
     run(tmp_path / "run", sources, *args, weights="prose:0.5,code:0.5")
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("built a model"))
+    resume = ["--train.steps=4", "--checkpoint.every=2", "--train.val_every=0", "--resume"]
     with pytest.raises(UserError, match=r"holds train\.data\.sources\.code\..*resume with the data.sources"):
-        run(tmp_path / "run", sources, "--train.steps=4", "--checkpoint.every=2", "--train.val_every=0", "--resume",
-            weights="prose:1")
+        run(tmp_path / "run", sources, *resume, weights="prose:1")
+    with pytest.raises(UserError, match="loader state has seq_len=32 but this loader has 16"):
+        run(tmp_path / "run", sources, *resume, "--train.seq_len=16", weights="prose:0.5,code:0.5")
