@@ -276,6 +276,7 @@ class Decompressed(io.RawIOBase):
         self.offset = 0  # compressed bytes read
         self.pending = memoryview(b"")
         self.decompressor = None  # none between members or frames
+        self.members = 0  # members or frames decoded whole
 
     def readable(self) -> bool:
         return True
@@ -300,7 +301,9 @@ class Decompressed(io.RawIOBase):
         try:
             while feed:
                 if self.decompressor is None:
-                    if self.format == "gzip":  # NULs after a member pad it to a block (tapes): gunzip skips them
+                    # NULs after a member pad it to a block (tapes): skipped, as Python's gzip does; not before
+                    # the first one, where they are no gzip file at all
+                    if self.format == "gzip" and self.members:
                         feed = feed.lstrip(b"\0")
                         if not feed:
                             break
@@ -310,6 +313,7 @@ class Decompressed(io.RawIOBase):
                 if not self.decompressor.eof:
                     break
                 feed, self.decompressor = self.decompressor.unused_data, None  # the next member or frame
+                self.members += 1
         except (zlib.error, zstandard.ZstdError) as e:
             raise UserError(f"{self.path}: corrupt {self.format} data in compressed bytes {self.offset}-"
                             f"{self.offset + size - 1} ({e}); re-download or re-compress it.") from None

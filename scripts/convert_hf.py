@@ -169,7 +169,7 @@ def check_output(out: Path) -> None:
 def staged(out: Path) -> Iterator[Path]:
     """A directory beside `out` to convert into, renamed to `out` once everything is written: a conversion killed
     midway leaves no `out` that looks complete (all shards, config.json half-written), as dsv3.export does."""
-    out = Path(os.path.abspath(out))  # an OUT_DIR of "." has no name to append to
+    out = Path(os.path.realpath(out))  # "." has no name to append to; a link's target is where the rename lands
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # a killed run's leftovers
     tmp.mkdir(parents=True)

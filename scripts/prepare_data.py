@@ -104,8 +104,8 @@ def prepare(
     tokenizer.save(dataset / "tokenizer")
     swap_in(dataset, out)
     # renamed first: a kill inside rmtree must not leave an OUT.partial without its manifest, which blocks reruns
-    done = staging.with_name(f"{staging.name}.done-{os.getpid()}")
-    shutil.rmtree(done, ignore_errors=True)  # a killed run's, should its pid have come round again
+    done = staging.with_name(f"{staging.name}.done")
+    shutil.rmtree(done, ignore_errors=True)  # what a run killed in this removal left
     staging.rename(done)
     shutil.rmtree(done)
     return indexes

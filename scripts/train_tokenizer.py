@@ -91,8 +91,12 @@ def train_tokenizer(
     path = Path(out + ".model")
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f"{path.name}.tmp-{os.getpid()}")  # a crash mid-write leaves the old model whole
-    staging.write_bytes(model.getvalue())
-    staging.replace(path)
+    try:
+        staging.write_bytes(model.getvalue())
+        staging.replace(path)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
     return path
 
 

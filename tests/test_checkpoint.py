@@ -38,6 +38,7 @@ ARGS = ["--config", str(ROOT / "configs" / "debug.toml"), f"--data.path={DATA}",
         "--train.warmup_steps=2", "--train.decay_start=0.5", "--train.val_every=0", "--log.every=1",
         f"--checkpoint.every={SAVED_AT}", "--checkpoint.export=false"]
 
+
 def _rank_main(rank: int, world: int, port: int, argv: list[str]) -> None:
     """One rank of `torchrun --nproc_per_node=world train.py argv`."""
     torchrun_env(rank, world, port)
@@ -105,7 +106,6 @@ def test_resume_restores_the_rng_stream_at_the_same_world_size(tmp_path, device)
     assert torch.equal(torch.rand(5, device=device), fresh)  # the fresh stream is kept
 
 
-
 def test_resume_keeps_its_own_betas_and_weight_decay_and_the_saved_moments(tmp_path):
     """Lowering β2 or the weight decay after a loss spike, then resuming, must take effect."""
     model = torch.nn.Linear(4, 4)
@@ -119,6 +119,7 @@ def test_resume_keeps_its_own_betas_and_weight_decay_and_the_saved_moments(tmp_p
     checkpoint.load(saved, model, resumed, {"step": 0})
     assert (resumed.param_groups[0]["betas"], resumed.param_groups[0]["weight_decay"]) == ((0.9, 0.5), 0.0)
     assert torch.equal(resumed.state[model.weight]["exp_avg_sq"], moments)
+
 
 def test_export_written_by_two_ranks_holds_the_full_model(tmp_path):
     """Each rank writes its shards and assembles its share of the files: full tensors, one file per block, equal
@@ -147,6 +148,7 @@ def test_export_written_by_two_ranks_holds_the_full_model(tmp_path):
         torch.testing.assert_close(exported.state_dict()[name], value, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(imported.state_dict()[name], value, rtol=0, atol=0, msg=name)
 # --- the run directory: manifest and verification, confirmation and rotation, the lock ------------------------
+
 
 def _save_linear(run_dir: Path, step: int, keep: int = 0, checksums: bool = True) -> Path:
     torch.manual_seed(step)
@@ -238,7 +240,6 @@ def test_a_run_directory_without_room_for_one_checkpoint_is_refused(tmp_path):
     rundir.check_free_space(tmp_path, 1 << 10)
 
 
-
 def _check_space_where_rank_1_cannot_write(rank: int, world: int, port: int, run_dir: Path, results: Path) -> None:
     torchrun_env(rank, world, port)
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
@@ -260,6 +261,7 @@ def test_a_run_directory_one_rank_cannot_write_stops_every_rank(tmp_path):
     outcomes = {(results / f"rank-{rank}").read_text() for rank in range(2)}
     assert outcomes == {f"checkpoint.dir={tmp_path} is not writable (Permission denied): choose another "
                         "--checkpoint.dir (rank 1)"}
+
 
 def _rename_fails_on_rank_0(rank: int, world: int, port: int, run_dir: Path, results: Path) -> None:
     torchrun_env(rank, world, port)

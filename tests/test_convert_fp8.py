@@ -220,6 +220,14 @@ def test_conversion_killed_midway_leaves_no_output_and_a_rerun_succeeds(release,
     assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp").exists()
 
 
+def test_an_output_directory_that_is_a_link_receives_the_conversion_at_its_target(release, tmp_path):
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "disk" / "ckpt").mkdir()
+    (tmp_path / "ckpt").symlink_to(tmp_path / "disk" / "ckpt")
+    convert_hf.main(["--to-dsv3", str(release.path), str(tmp_path / "ckpt")])
+    assert (tmp_path / "ckpt").is_symlink() and (tmp_path / "disk" / "ckpt" / "config.json").is_file()
+
+
 def test_index_naming_a_missing_shard_is_one_line_before_any_output(release, tmp_path):
     write_release(tmp_path / "src", release.tensors, release.config)
     (tmp_path / "src" / "model-00002-of-00002.safetensors").unlink()

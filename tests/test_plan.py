@@ -50,7 +50,6 @@ def test_parameter_and_optimizer_bytes_match_adamw_on_the_debug_model(gpus):
     assert plan(cfg, gpus, "h100").memory["optimizer states"] * GIB * gpus == pytest.approx(state_bytes / 2, rel=1e-12)
 
 
-
 def test_parameter_bytes_are_the_fullest_ranks_where_fsdp_cannot_split_the_experts_evenly():
     """8 GPUs at EP 2: each expert stack's 2 local experts over 4 FSDP ranks, 1 on rank 0 and none on rank 3
     (torch.chunk), not half of one each. FSDP2 and EP applied for real, a fake process group standing for rank 0."""

@@ -84,8 +84,7 @@ def count_tokenized_units(monkeypatch: pytest.MonkeyPatch, fail_after: int | Non
     return done
 
 
-
-def test_gzip_padded_with_nuls_after_its_members_reads_as_gunzip_does(tmp_path):
+def test_gzip_padded_with_nuls_after_its_members_reads_as_pythons_gzip_does_but_not_before_the_first(tmp_path):
     plain = jsonl_bytes(DOCS)
     half = len(plain) // 2
     padding = b"\0" * (FEED_BYTES + 100)  # across a read of the compressed stream
@@ -94,6 +93,10 @@ def test_gzip_padded_with_nuls_after_its_members_reads_as_gunzip_does(tmp_path):
     assert gzip.decompress((tmp_path / "docs.jsonl.gz").read_bytes()) == plain
     prepare([str(tmp_path / "docs.jsonl.gz")], TOKENIZER, str(tmp_path / "out"), val_fraction=0, progress=False)
     np.testing.assert_array_equal(read_split(tmp_path / "out" / "train"), encoded(DOCS, Tokenizer(TOKENIZER)))
+    (tmp_path / "docs.jsonl.gz").write_bytes(padding)  # a download preallocated, never written: not an empty file
+    with pytest.raises(UserError, match="corrupt gzip data"):
+        prepare([str(tmp_path / "docs.jsonl.gz")], TOKENIZER, str(tmp_path / "out2"), val_fraction=0, progress=False)
+
 
 @pytest.mark.parametrize("fmt", ["jsonl", "txt"])
 def test_gz_and_zst_inputs_give_the_same_tokens_as_plain_files(tmp_path, fmt):
@@ -159,7 +162,6 @@ def test_killed_run_reruns_only_the_unfinished_units_and_ends_identical(tmp_path
     assert not (tmp_path / "out.partial").exists()
 
 
-
 def test_a_kill_while_the_staging_directory_is_removed_does_not_block_the_next_run(tmp_path, monkeypatch):
     corpus = mixed_corpus(tmp_path / "corpus")
     settings = dict(tokenizer_path=TOKENIZER, chunk_bytes=800, progress=False)
@@ -177,6 +179,8 @@ def test_a_kill_while_the_staging_directory_is_removed_does_not_block_the_next_r
     monkeypatch.undo()
     prepare([str(corpus)], out_dir=str(tmp_path / "out"), **settings)  # no "not a staging directory" refusal
     assert dataset_files(tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("out")) == ["out"]  # nothing left over
+
 
 def test_sigkilled_workers_leave_units_a_rerun_finishes_identically(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus"

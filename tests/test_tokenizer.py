@@ -274,3 +274,4 @@ def test_a_failed_write_leaves_the_previous_sentencepiece_model_whole(tmp_path, 
     with pytest.raises(OSError, match="No space left"):
         train_tokenizer([str(corpus)], str(tmp_path / "sp"), vocab_size=400, num_threads=1)
     assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "sp.model"]  # no half-written file left

@@ -144,7 +144,6 @@ def test_init_from_starts_from_exported_weights(learned, tmp_path):
         torch.testing.assert_close(after[name], value, rtol=0, atol=0, msg=name)
 
 
-
 def test_init_from_names_the_fields_it_differs_in_without_a_shape_change(learned, tmp_path):
     """A converted release's RoPE or routing fields may differ from the run's config: no shape shows it, so it is
     said (the run keeps its own values); a config.json cut short is one clear error."""
@@ -310,6 +309,7 @@ def test_resume_with_no_checkpoint_is_an_error_not_a_fresh_start(data, tmp_path,
 
 # --- bad input fails fast, with a message that says what to change ----------------------------------
 
+
 @pytest.mark.parametrize("overrides,error,message", [
     (["--flavor=huge"], UserError, "unknown flavor 'huge': choose one of debug, 16B, 671B"),
     (["--train.learning_rate=1e-3"], UserError, "unknown key train.learning_rate"),
@@ -389,6 +389,7 @@ def test_a_second_run_on_a_live_runs_directory_is_refused_with_the_holders_pid_a
 
 
 # --- first contact: what a user sees on the command line -------------------------------------------
+
 
 def train_py(*args: str, env: dict[str, str] | None = None, launcher: list[str] = ()) -> subprocess.Popen:
     """`python [LAUNCHER] train.py ARGS` in a fresh process, stdout and stderr captured."""
@@ -548,6 +549,7 @@ def test_ctrl_c_before_training_is_one_line_and_exit_code_130(data, tmp_path, mo
 
 # --- schedules ---------------------------------------------------------------------------------------
 
+
 def test_lr_warms_up_holds_then_decays_to_min_lr_ratio():
     t = TrainConfig(steps=100, lr=1e-3, warmup_steps=10, decay_start=0.8, min_lr_ratio=0.1)
     assert train.lr_at(0, t) == 0.0
@@ -575,6 +577,7 @@ def test_mtp_lambda_switches_after_its_fraction_of_steps():
 
 
 # --- gradient accumulation ---------------------------------------------------------------------------
+
 
 def test_gradient_accumulation_matches_one_big_batch():
     cfg = FLAVORS["debug"]
