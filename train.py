@@ -56,6 +56,10 @@ def mtp_lambda_at(step: int, t: TrainConfig) -> float:
     return t.mtp_lambda if step <= t.mtp_lambda_switch * t.steps else t.mtp_lambda_final
 
 
+def bias_update_speed_at(step: int, t: TrainConfig) -> float:
+    return t.bias_update_speed if step <= t.bias_update_stop * t.steps else 0.0
+
+
 def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torch.Tensor, t: TrainConfig,
                step: int, accumulate_unsharded_grads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over this rank's `batch` [rows, S+1], in micro-batches. FSDP reduce-scatters every
@@ -89,7 +93,7 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torc
     optimizer.zero_grad(set_to_none=True)
     # every rank must hold the same expert bias: sum the counts over the whole global batch first
     tokens_per_expert = parallel.all_reduce_sum(tokens_per_expert)
-    update_expert_bias(model.routers(), tokens_per_expert, t.bias_update_speed)
+    update_expert_bias(model.routers(), tokens_per_expert, bias_update_speed_at(step, t))
     world = dist.get_world_size() if dist.is_initialized() else 1
     losses = parallel.all_reduce_sum(losses / len(micro_batches)) / world
     return torch.cat([losses, grad_norm.reshape(1).float()]), tokens_per_expert

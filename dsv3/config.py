@@ -174,6 +174,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # clip the global gradient norm to this, > 0 (1e9: effectively off)
     balance_alpha: float = 1e-4  # sequence-wise balance loss weight α (0 disables)
     bias_update_speed: float = 1e-3  # aux-loss-free expert-bias step γ (0 disables)
+    bias_update_stop: float = 1.0  # fraction of steps after which γ is 0 (paper §4.2: the last 500B tokens)
     mtp_lambda: float = 0.3  # MTP loss weight λ until mtp_lambda_switch
     mtp_lambda_final: float = 0.1  # MTP loss weight λ after mtp_lambda_switch (paper §4.2)
     mtp_lambda_switch: float = 0.7  # fraction of steps after which λ drops to mtp_lambda_final
@@ -401,7 +402,8 @@ def validate(cfg: Config) -> None:
         if not least <= value < math.inf:  # `not` also catches nan
             raise UserError(f"{name} must be >= {least} and finite, got {value}")
     for name, value in (("train.min_lr_ratio", t.min_lr_ratio), ("train.decay_start", t.decay_start),
-                        ("train.mtp_lambda_switch", t.mtp_lambda_switch)):
+                        ("train.mtp_lambda_switch", t.mtp_lambda_switch),
+                        ("train.bias_update_stop", t.bias_update_stop)):
         if not 0 <= value <= 1:
             raise UserError(f"{name} is a fraction and must be in [0, 1], got {value}")
     for name, value in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):

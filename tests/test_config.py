@@ -263,6 +263,7 @@ def test_yarn_settings_that_do_not_fit_together_are_refused(overrides, message):
     ("min_lr_ratio=-0.1", "train.min_lr_ratio"), ("min_lr_ratio=1.5", "train.min_lr_ratio"),
     ("decay_start=-0.5", "train.decay_start"), ("decay_start=1.01", "train.decay_start"),
     ("mtp_lambda_switch=2", "train.mtp_lambda_switch"), ("mtp_lambda_switch=nan", "train.mtp_lambda_switch"),
+    ("bias_update_stop=1.5", "train.bias_update_stop"),
     ("grad_clip=0", "train.grad_clip"), ("grad_clip=-1", "train.grad_clip"),
     ("weight_decay=-0.1", "train.weight_decay"), ("beta1=1", "train.beta1"), ("beta2=-0.1", "train.beta2"),
     ("bias_update_speed=-1e-3", "train.bias_update_speed"), ("balance_alpha=-1e-4", "train.balance_alpha"),

@@ -576,6 +576,12 @@ def test_mtp_lambda_switches_after_its_fraction_of_steps():
     assert [train.mtp_lambda_at(s, t) for s in (1, 70, 71, 100)] == [0.3, 0.3, 0.1, 0.1]
 
 
+def test_the_expert_bias_stops_moving_after_its_fraction_of_steps():
+    t = TrainConfig(steps=100, bias_update_speed=1e-3, bias_update_stop=0.97)
+    assert [train.bias_update_speed_at(s, t) for s in (1, 97, 98, 100)] == [1e-3, 1e-3, 0.0, 0.0]
+    assert train.bias_update_speed_at(100, TrainConfig(steps=100)) == TrainConfig().bias_update_speed  # default: never
+
+
 # --- gradient accumulation ---------------------------------------------------------------------------
 
 
