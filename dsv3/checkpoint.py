@@ -21,7 +21,7 @@ import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -113,15 +113,19 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
     try:
         with _quiet_without_group():
             dcp.save(state, checkpoint_id=str(tmp))
-        torch.save(_rng_state(), tmp / f"rng-{_rank()}.pt")  # per rank: DCP keeps one copy of a plain tensor
+        with open(tmp / f"rng-{_rank()}.pt", "wb") as f:  # per rank: DCP keeps one copy of a plain tensor
+            torch.save(_rng_state(), f)
+            _sync(f)
         _barrier()
         manifest = _describe(tmp, checksums)  # every rank hashes a share of the files
 
         def publish() -> None:
             _write_json(tmp / MANIFEST, {"files": manifest})
             (tmp / UNCONFIRMED).touch()
+            _sync_dir(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
+            _sync_dir(run_dir)  # on disk before _rotate deletes an older one: a node crash must not take both
             _rotate(run_dir, keep)
 
         _on_rank_0(f"renaming checkpoint {tmp} to {final}", publish)
@@ -142,6 +146,7 @@ def confirm(run_dir: str | Path, step: int, keep: int) -> None:
 
     def mark_and_rotate() -> None:
         (Path(run_dir) / f"step-{step}" / UNCONFIRMED).unlink(missing_ok=True)
+        _sync_dir(Path(run_dir) / f"step-{step}")
         _rotate(Path(run_dir), keep)
 
     _on_rank_0(f"confirming checkpoint step-{step} in {run_dir}", mark_and_rotate)
@@ -176,8 +181,25 @@ def _rotate(run_dir: Path, keep: int) -> None:
 
 
 def _write_json(path: Path, value: Any) -> None:
-    path.with_suffix(".tmp").write_text(json.dumps(value, indent=1))
+    with open(path.with_suffix(".tmp"), "w") as f:
+        f.write(json.dumps(value, indent=1))
+        _sync(f)
     os.replace(path.with_suffix(".tmp"), path)
+
+
+def _sync(f: IO) -> None:
+    """`f`'s bytes on disk, not just in the page cache (DCP syncs its own files, not ours)."""
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _sync_dir(path: Path) -> None:
+    """The directory's entries (new names, renames, removals) on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _file_crc32(path: Path) -> int:

@@ -157,6 +157,23 @@ def _save_linear(run_dir: Path, step: int, keep: int = 0, checksums: bool = True
                            checksums)
 
 
+def test_a_checkpoint_is_on_disk_before_an_older_one_is_deleted(tmp_path, monkeypatch):
+    """A node crash right after the rename must not leave the new checkpoint's files in the page cache only, with
+    the older one already gone: our files, the step directory and the run directory are synced before pruning."""
+    _save_linear(tmp_path, 1)
+    checkpoint.confirm(tmp_path, 1, keep=1)
+    events, real_fsync, real_rmtree = [], os.fsync, checkpoint.shutil.rmtree
+    monkeypatch.setattr(checkpoint.os, "fsync", lambda fd: (events.append(os.readlink(f"/proc/self/fd/{fd}")),
+                                                            real_fsync(fd)))
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda path, **kw: (events.append(f"rmtree {path}"),
+                                                                         real_rmtree(path, **kw)))
+    _save_linear(tmp_path, 2)
+    checkpoint.confirm(tmp_path, 2, keep=1)
+    deleted = events.index(f"rmtree {tmp_path / 'step-1'}")
+    synced = {Path(e).name for e in events[:deleted] if not e.startswith("rmtree")}
+    assert {"manifest.tmp", "rng-0.pt", "step-2.tmp", tmp_path.name} <= synced, synced
+
+
 def _largest_shard(path: Path) -> Path:
     return max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
 
