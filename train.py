@@ -220,7 +220,11 @@ def main(argv: list[str] | None = None) -> None:
                         f"({', '.join(p.name for p in found)}): continue that run "
                         "with --resume, or give this one its own --checkpoint.dir")
     resume_path = checkpoint.resume_from(run_dir, cfg.checkpoint.verify_checksums) if cfg.checkpoint.resume else None
-    if resume_path and checkpoint.step_of(resume_path) >= t.steps:
+    finished = resume_path is not None and checkpoint.step_of(resume_path) >= t.steps
+    if finished and cfg.checkpoint.export and not (run_dir / "export").is_dir():
+        if rank == 0:  # a run killed while it exported: no step left, so the export is all it does
+            print(f"{resume_path} is the end of this run, but its export is missing: writing it", flush=True)
+    elif finished:
         if rank == 0:
             print(f"{resume_path} is the end of this run (train.steps={t.steps}): nothing to train; raise "
                   f"--train.steps to continue it")

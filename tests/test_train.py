@@ -301,6 +301,15 @@ def test_resume_on_a_finished_run_says_so_and_trains_nothing(data, tmp_path, mon
     assert f"{tmp_path / 'step-1'} is the end of this run (train.steps=1): nothing to train" in capsys.readouterr().out
 
 
+def test_resume_on_a_finished_run_whose_export_was_cut_short_writes_it(data, tmp_path, capsys):
+    run(tmp_path, *TINY, "--train.steps=1", "--checkpoint.every=1", "--checkpoint.export=true")
+    shutil.rmtree(tmp_path / "export")  # killed while exporting: export.tmp, or nothing, is left
+    capsys.readouterr()
+    rows = run(tmp_path, *TINY, "--train.steps=1", "--checkpoint.every=1", "--checkpoint.export=true", "--resume")
+    assert "its export is missing: writing it" in capsys.readouterr().out
+    assert (tmp_path / "export" / "config.json").is_file() and sorted(rows) == [1]  # no step trained again
+
+
 def test_resume_with_no_checkpoint_is_an_error_not_a_fresh_start(data, tmp_path, monkeypatch):
     monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
     with pytest.raises(UserError, match=rf"--resume: checkpoint.dir={tmp_path / 'typo'} does not exist"):
