@@ -328,9 +328,9 @@ def main(argv: list[str] | None = None) -> None:
         if stopping:
             break
     stop.restore()
+    # The last checkpoint stays unconfirmed: no step has judged its weights, and confirming it would let pruning
+    # delete the last one a step vouched for, which a continued run that diverges at once falls back to.
     if not stopping:
-        for step in unconfirmed:  # the last update has no next step to judge it; its own grad norm was judged
-            checkpoint.confirm(run_dir, step, cfg.checkpoint.keep)
         if cfg.checkpoint.export:
             export.export(run_dir / "export", model, mcfg, data_tokenizer(cfg.data.mixture()))
     elif rank == 0:

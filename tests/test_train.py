@@ -310,6 +310,14 @@ def test_resume_on_a_finished_run_whose_export_was_cut_short_writes_it(data, tmp
     assert (tmp_path / "export" / "config.json").is_file() and sorted(rows) == [1]  # no step trained again
 
 
+def test_a_finished_run_keeps_its_last_vouched_checkpoint_beside_the_unjudged_last_one(data, tmp_path):
+    """No step judged the last checkpoint's weights: it stays unconfirmed, and pruning (keep 1) keeps the newest
+    one a step vouched for, which a continued run that diverges at once falls back to."""
+    run(tmp_path, *TINY, "--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=1")
+    assert [(p.name, checkpoint.is_confirmed(p)) for p in checkpoint.checkpoints(tmp_path)] == [
+        ("step-2", True), ("step-4", False)]
+
+
 def test_resume_with_no_checkpoint_is_an_error_not_a_fresh_start(data, tmp_path, monkeypatch):
     monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
     with pytest.raises(UserError, match=rf"--resume: checkpoint.dir={tmp_path / 'typo'} does not exist"):
