@@ -251,8 +251,15 @@ def main(argv: list[str] | None = None) -> None:
 
     start_step = 0
     unconfirmed: list[int] = []  # saved checkpoints whose next step has not been seen healthy yet
+    guard = DivergenceGuard(t.loss_spike_factor, t.grad_norm_spike_factor)
     if resume_path:
-        start_step = checkpoint.load(resume_path, model, optimizer, {"step": 0})["step"]
+        # the guard's running means too: a fresh guard would judge no spike in the resumed run's first steps
+        wanted = {"step": 0} | ({"guard": guard.state_dict()} if "guard" in checkpoint.train_entries(resume_path)
+                                else {})
+        state = checkpoint.load(resume_path, model, optimizer, wanted)
+        start_step = state["step"]
+        if "guard" in state:
+            guard.load_state_dict(state["guard"])
         if not checkpoint.is_confirmed(resume_path):  # the last run crashed right after saving it
             unconfirmed.append(start_step)
         if rank == 0:
@@ -266,7 +273,6 @@ def main(argv: list[str] | None = None) -> None:
     flops = flops_per_token(mcfg, t.seq_len)
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     pending: list[tuple[int, torch.Tensor]] = []  # (step, [main, mtp, bal, gnorm] on device): no sync yet
-    guard = DivergenceGuard(t.loss_spike_factor, t.grad_norm_spike_factor)
     clock, tokens_since = time.perf_counter(), 0
 
     def flush() -> list[float] | None:
@@ -321,7 +327,8 @@ def main(argv: list[str] | None = None) -> None:
             logger.log(step, evaluate(model, cfg, rank, world, device))
         if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == t.steps or stopping):
             flush()  # never save over the last good checkpoint with a diverged model
-            checkpoint.save(run_dir, step, model, optimizer, {"step": step, "data": loader.state_dict()},
+            checkpoint.save(run_dir, step, model, optimizer,
+                            {"step": step, "data": loader.state_dict(), "guard": guard.state_dict()},
                             cfg.checkpoint.keep, cfg.checkpoint.verify_checksums)
             unconfirmed.append(step)
         clock += time.perf_counter() - paused

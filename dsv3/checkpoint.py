@@ -294,6 +294,12 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     return state["train"]
 
 
+def train_entries(path: str | Path) -> set[str]:
+    """The top-level train_state entries checkpoint `path` holds (one written before an entry existed lacks it)."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {key.split(".")[1] for key in saved if key.split(".")[0] == "train"}
+
+
 def load_train_state(path: str | Path, train_state: dict[str, Any]) -> dict[str, Any]:
     """The saved train_state alone (`train_state` gives its keys and types): a few bytes, read before the model
     is built, so that a run resumed with other data stops before the expensive load."""

@@ -293,6 +293,14 @@ class DivergenceGuard:
         self.seen += 1
         return None
 
+    def state_dict(self) -> dict[str, float]:
+        """What a resumed run needs to judge its first steps as this one would have (fixed keys, for DCP)."""
+        return {"seen": self.seen} | {name: self.means.get(name, 0.0) for name in self.factors}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.seen = int(state["seen"])
+        self.means = {name: float(state[name]) for name in self.factors} if self.seen else {}
+
 
 class MetricsLogger:
     """Appends one JSON line per `log` to run_dir/metrics.jsonl, prints one console line, logs to W&B

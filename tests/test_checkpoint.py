@@ -116,6 +116,7 @@ def test_resume_keeps_its_own_betas_and_weight_decay_and_the_saved_moments(tmp_p
     moments = optimizer.state[model.weight]["exp_avg_sq"].clone()
     model.zero_grad(set_to_none=True)  # as a restarted process has none
     resumed = torch.optim.AdamW(model.parameters(), betas=(0.9, 0.5), weight_decay=0.0)
+    assert checkpoint.train_entries(saved) == {"step"}  # what a resumed run may ask of it
     checkpoint.load(saved, model, resumed, {"step": 0})
     assert (resumed.param_groups[0]["betas"], resumed.param_groups[0]["weight_decay"]) == ((0.9, 0.5), 0.0)
     assert torch.equal(resumed.state[model.weight]["exp_avg_sq"], moments)

@@ -318,6 +318,14 @@ def test_a_finished_run_keeps_its_last_vouched_checkpoint_beside_the_unjudged_la
         ("step-2", True), ("step-4", False)]
 
 
+def test_a_resumed_run_judges_its_first_steps_against_the_saved_running_means(data, tmp_path):
+    """A fresh guard judges no spike before 5 healthy steps: resumed, a loss blown up at once went unnoticed."""
+    run(tmp_path, *TINY, "--train.steps=6", "--checkpoint.every=6", "--train.loss_spike_factor=3")
+    with pytest.raises(FloatingPointError, match="spiked to .* at step 8"):  # step 7's update at lr 30
+        run(tmp_path, *TINY, "--train.steps=8", "--checkpoint.every=6", "--train.loss_spike_factor=3",
+            "--train.lr=30", "--train.warmup_steps=0", "--resume")
+
+
 def test_resume_with_no_checkpoint_is_an_error_not_a_fresh_start(data, tmp_path, monkeypatch):
     monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
     with pytest.raises(UserError, match=rf"--resume: checkpoint.dir={tmp_path / 'typo'} does not exist"):
