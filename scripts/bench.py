@@ -203,21 +203,26 @@ def main() -> None:
     tokens_per_s_per_gpu = local_batch * t.seq_len / step_s
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     flops = flops_per_token(mcfg, t.seq_len)
+    peak_memory_gib = memory_stats().get("memory/peak_allocated_gib")
+    if peak_memory_gib is not None and torch.distributed.is_initialized():  # the fullest GPU's (EP loads unevenly)
+        fullest = torch.tensor(peak_memory_gib, device=device)
+        torch.distributed.all_reduce(fullest, op=torch.distributed.ReduceOp.MAX)
+        peak_memory_gib = fullest.item()
     result = {
         "config": args.config, "overrides": overrides, "world": world,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "step_ms": 1e3 * step_s, "tokens_per_s_per_gpu": tokens_per_s_per_gpu,
         "mfu": mfu(flops, tokens_per_s_per_gpu, 1, peak) if peak else None,
-        "peak_memory_gib": memory_stats().get("memory/peak_allocated_gib"),
+        "peak_memory_gib": peak_memory_gib,
         "gflop_per_token": flops / 1e9,
         "loss_first_last": [losses[0].item(), losses[-1].item()],  # a broken run shows here, not in the speed
     }
     rows_vs_mean = expert_rows_vs_mean(loads[args.warmup:args.warmup + args.steps])  # the timed steps
     if rows_vs_mean is not None:
         result["expert_rows_vs_mean_min_max"] = rows_vs_mean
-    if cfg.parallel.ep > 1:  # the share of routed token copies each EP rank received, extremes over layers and steps
-        ep = cfg.parallel.ep
-        per_rank = torch.stack(loads).view(len(loads), -1, ep, mcfg.n_routed_experts // ep).sum(-1).float()
+    if cfg.parallel.ep > 1 and rows_vs_mean is not None:  # the share of routed token copies each EP rank received,
+        ep, timed = cfg.parallel.ep, loads[args.warmup:args.warmup + args.steps]  # extremes over layers, timed steps
+        per_rank = torch.stack(timed).view(len(timed), -1, ep, mcfg.n_routed_experts // ep).sum(-1).float()
         share = per_rank / per_rank.sum(-1, keepdim=True)  # [steps, L, ep]
         result["ep_rank_share_min_max"] = [share.min().item(), share.max().item()]
 
@@ -240,12 +245,13 @@ def main() -> None:
         per_phase: dict[str, float] = defaultdict(float)
         for key, kernel_ms in ms.items():
             per_phase[phase_of(key)] += kernel_ms
-        busy = sum(per_phase.values())
+        # NCCL kernels run on streams of their own, beside the compute: counted, they would be counted twice
+        busy = sum(kernel_ms for phase, kernel_ms in per_phase.items() if phase != "communication")
         # the timed steps' time beyond the profiled steps' kernels: the GPU waiting (host, syncs), or the same kernels
         # running slower in the timed steps (as they do when a GPU's clocks fall under sustained load)
         per_phase["timed − kernels"] = max(1e3 * step_s - busy, 0.0)
         result["phase_ms"] = dict(sorted(per_phase.items(), key=lambda kv: -kv[1]))
-        result["top_kernels_ms"] = {key[:100]: ms[key] for key in list(ms)[:15]}
+        result["top_kernels_ms"] = [[ms[key], key[:100]] for key in list(ms)[:15]]  # names may share 100 chars
         if args.trace and rank == 0:
             prof.export_chrome_trace(args.trace)
         if args.kernels and rank == 0:
@@ -275,7 +281,7 @@ def main() -> None:
                       f"(forward {layer['forward_ms']:.1f}, backward {layer['backward_ms']:.1f}), MFU {layer_mfu}")
             for phase, ms in result.get("phase_ms", {}).items():
                 print(f"  {phase:<24} {ms:8.1f} ms  {100 * ms / result['step_ms']:5.1f}%")
-            for kernel, ms in result.get("top_kernels_ms", {}).items():
+            for ms, kernel in result.get("top_kernels_ms", []):
                 print(f"    {ms:8.2f} ms  {kernel}")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

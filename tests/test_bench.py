@@ -1,6 +1,10 @@
 """scripts/bench.py's per-layer timing on the CPU: every block timed once per forward and backward, in the
 order autograd runs them, the model left as it was; and the same under FSDP2 + EP on two gloo ranks."""
 
+import contextlib
+import json
+import sys
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -9,6 +13,7 @@ import train
 from conftest import free_port, leave_process_group, torchrun_env
 from dsv3 import parallel
 from dsv3.config import load_config
+from scripts import bench
 from scripts.bench import expert_rows_vs_mean, layer_times, phase_of, timed_blocks
 
 
@@ -80,6 +85,24 @@ def test_layers_are_timed_under_fsdp2_and_expert_parallelism(tmp_path):
     for rank in range(2):
         counts, moved = torch.load(tmp_path / f"rank-{rank}.pt")
         assert counts == {"dense": (1, True, True), "moe": (2, True, True)} and moved
+
+
+def _bench_worker(rank: int, world: int, port: int, out, overrides: list[str]) -> None:
+    torchrun_env(rank, world, port)
+    sys.argv = ["bench.py", "--config", "configs/debug.toml", "--steps=2", "--warmup=1", "--layer-steps=1", "--json",
+                "--train.global_batch=4", "--train.micro_batch=2", "--train.seq_len=32", *overrides]
+    with open(out / f"rank-{rank}.json", "w") as f, contextlib.redirect_stdout(f):
+        bench.main()
+
+
+@pytest.mark.parametrize("overrides, moe", [(["--parallel.ep=2"], True),
+                                            (["--parallel.ep=2", "--model.n_dense_layers=3", "--model.n_mtp_layers=0"],
+                                             False)], ids=["moe", "dense-only"])
+def test_bench_at_ep_2_reports_the_ep_share_where_tokens_are_routed(tmp_path, overrides, moe):
+    mp.spawn(_bench_worker, args=(2, free_port(), tmp_path, overrides), nprocs=2)
+    result = json.loads((tmp_path / "rank-0.json").read_text())
+    assert result["world"] == 2 and ("ep_rank_share_min_max" in result) == moe
+    assert (tmp_path / "rank-1.json").read_text() == ""  # one rank prints
 
 
 def test_expert_rows_vs_mean_spans_every_layer_and_step_and_is_none_without_moe_layers():
