@@ -284,6 +284,7 @@ def main() -> None:
             for ms, kernel in result.get("top_kernels_ms", []):
                 print(f"    {ms:8.2f} ms  {kernel}")
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # no rank tears the group down while another still talks to it
         torch.distributed.destroy_process_group()
 
 

@@ -93,6 +93,7 @@ def _bench_worker(rank: int, world: int, port: int, out, overrides: list[str]) -
                 "--train.global_batch=4", "--train.micro_batch=2", "--train.seq_len=32", *overrides]
     with open(out / f"rank-{rank}.json", "w") as f, contextlib.redirect_stdout(f):
         bench.main()
+    leave_process_group()  # bench.main left the group; this exits before gloo's threads can abort the process
 
 
 @pytest.mark.parametrize("overrides, moe", [(["--parallel.ep=2"], True),
