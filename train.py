@@ -237,8 +237,17 @@ def main(argv: list[str] | None = None) -> None:
     loader = MixtureLoader(cfg.data.mixture(), "train", t.seq_len, rank, world, seed=t.seed)
     if t.val_every:
         MixtureLoader(cfg.data.mixture(), "val", t.seq_len)  # fail now, not at the first validation
-    if resume_path:  # other data (sources, seq_len, a re-prepared dataset) stops here, before the model is built
-        loader.load_state_dict(checkpoint.load_train_state(resume_path, {"data": loader.state_dict()})["data"])
+    start_step = 0
+    guard = DivergenceGuard(t.loss_spike_factor, t.grad_norm_spike_factor)
+    if resume_path:  # the train state before the model is built: other data (sources, seq_len, dataset) stops here
+        # the guard's running means too: a fresh guard would judge no spike in the resumed run's first steps
+        wanted = {"step": 0, "data": loader.state_dict()} | (
+            {"guard": guard.state_dict()} if "guard" in checkpoint.train_entries(resume_path) else {})
+        saved = checkpoint.load_train_state(resume_path, wanted)
+        loader.load_state_dict(saved["data"])
+        start_step = saved["step"]
+        if "guard" in saved:
+            guard.load_state_dict(saved["guard"])
     if rank == 0:
         print(startup_banner(cfg, world, device, memory_plan.summary() if memory_plan else None,
                              describe_mixture(loader, sum(batch_at(s, t, world) for s in range(1, t.steps + 1)))),
@@ -249,17 +258,9 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(cfg, world, device)
     optimizer = build_optimizer(model, t, device)
 
-    start_step = 0
     unconfirmed: list[int] = []  # saved checkpoints whose next step has not been seen healthy yet
-    guard = DivergenceGuard(t.loss_spike_factor, t.grad_norm_spike_factor)
     if resume_path:
-        # the guard's running means too: a fresh guard would judge no spike in the resumed run's first steps
-        wanted = {"step": 0} | ({"guard": guard.state_dict()} if "guard" in checkpoint.train_entries(resume_path)
-                                else {})
-        state = checkpoint.load(resume_path, model, optimizer, wanted)
-        start_step = state["step"]
-        if "guard" in state:
-            guard.load_state_dict(state["guard"])
+        checkpoint.load(resume_path, model, optimizer, {})  # the train state was read above
         if not checkpoint.is_confirmed(resume_path):  # the last run crashed right after saving it
             unconfirmed.append(start_step)
         if rank == 0:

@@ -296,8 +296,13 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def train_entries(path: str | Path) -> set[str]:
     """The top-level train_state entries checkpoint `path` holds (one written before an entry existed lacks it)."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return {key.split(".")[1] for key in saved if key.split(".")[0] == "train"}
+    return {key.split(".")[1] for key in _saved_train_keys(path)}
+
+
+def _saved_train_keys(path: str | Path) -> list[str]:
+    """The keys DCP saved the train_state under ("train.data.sources.web.seed", ...), from the metadata alone."""
+    return [key for key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            if key.split(".")[0] == "train"]
 
 
 def load_train_state(path: str | Path, train_state: dict[str, Any]) -> dict[str, Any]:
@@ -321,9 +326,8 @@ def _load_train_and(state: dict[str, Any], path: str | Path) -> None:
                         "data.sources the run was saved with") from None
     # DCP fills only the template's keys: of an entry the run asks for (e.g. "data"), saved state it has no place
     # for (a source dropped from data.sources) would be skipped silently
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     expected = _flat_keys(state["train"], "train")
-    unplaced = sorted(key for key in saved if key.split(".")[0] == "train" and key.split(".")[1] in state["train"]
+    unplaced = sorted(key for key in _saved_train_keys(path) if key.split(".")[1] in state["train"]
                       and key not in expected)
     if unplaced:
         raise UserError(f"{path} holds {', '.join(unplaced[:3])}, which this run has no place for: resume with the "
