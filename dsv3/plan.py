@@ -178,7 +178,7 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
     local = [bd + be / ep for bd, be in blocks]  # the parameters a GPU computes with
     # FSDP2 splits an expert stack's E/ep experts over its efsdp ranks with torch.chunk and pads every rank's share to
     # the largest: ceil((E/ep) / efsdp) experts, more than an even split where efsdp does not divide E/ep
-    rank_experts = -(-mc.n_routed_experts // ep // efsdp) if mc.n_routed_experts else 0
+    rank_experts = -(-mc.n_routed_experts // ep // efsdp)
     shard = [bd / gpus + be / max(mc.n_routed_experts, 1) * rank_experts for bd, be in blocks]  # a GPU's share
     sharded_total = root / gpus + sum(shard)
     always, step = (0, tl.step), tl.step
