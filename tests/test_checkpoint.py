@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -263,9 +264,14 @@ def _check_space_where_rank_1_cannot_write(rank: int, world: int, port: int, run
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     if rank == 1:  # as a host whose mount is read-only
         rundir.Path.write_bytes = lambda self, data: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))
+    _record_outcome(results, rank, lambda: rundir.check_free_space(run_dir, 1 << 10), "fine")
+
+
+def _record_outcome(results: Path, rank: int, action: Callable[[], None], success: str) -> None:
+    """A spawned worker's end: `success`, or the UserError `action` raised, into results/rank-N; then it leaves."""
     try:
-        rundir.check_free_space(run_dir, 1 << 10)
-        outcome = "fine"
+        action()
+        outcome = success
     except UserError as e:
         outcome = str(e)
     (results / f"rank-{rank}").write_text(outcome)
@@ -323,13 +329,7 @@ time.sleep(120)
 def _lock_rank(rank: int, world: int, port: int, run_dir: Path, results: Path) -> None:
     torchrun_env(rank, world, port)
     dist.init_process_group("gloo")
-    try:
-        rundir.lock_run_dir(run_dir)
-        outcome = "locked"
-    except UserError as e:
-        outcome = str(e)
-    (results / f"rank-{rank}").write_text(outcome)
-    leave_process_group()
+    _record_outcome(results, rank, lambda: rundir.lock_run_dir(run_dir), "locked")
 
 
 def test_a_second_run_on_a_locked_directory_is_refused_on_every_rank_until_the_holder_dies(tmp_path):
