@@ -14,9 +14,10 @@ The expert side expands that to one row per (token, local expert), sorted by loc
 y_t = Σ_ranks Σ_{k on that rank} g_t,k · FFN_k(x_t) on the token's own rank.
 
 Autograd: dispatch's backward is a combine (of the gradients of recv_x and of the gate weights), combine's
-backward a dispatch with the cached handle. The one host sync is DeepEP's own: dispatch waits for the receive
-counts (as the all-to-all backend does for its split sizes). Combine runs asynchronously on DeepEP's stream so
-that the shared experts overlap it; `wait` joins it. One `deep_ep.Buffer` per process serves every MoE layer;
+backward a dispatch with the cached handle. Both are torch.library ops (`dsv3::deepep_dispatch`, `deepep_combine`)
+that selective AC keeps, so an activation-checkpointed block's recompute does not exchange again. The one host sync
+is DeepEP's own: dispatch waits for the receive counts (as the all-to-all backend does for its split sizes). Combine
+runs asynchronously on DeepEP's stream so that the shared experts overlap it; `wait` joins it. One `deep_ep.Buffer` per process serves every MoE layer;
 `close()` frees it (train.py calls it before destroy_process_group; an atexit hook covers other entry points).
 Low-precision experts work too: groups are padded to `align` (`pad_order`), like the other dispatchers.
 
@@ -165,6 +166,7 @@ def close() -> None:
     """Free the DeepEP buffer (every EP rank must call it: it ends in a barrier). Safe to call twice."""
     global _buffer
     if _buffer is not None:
+        _buffers.pop(id(_buffer), None)
         _buffer.destroy()
         _buffer = None
 
@@ -184,40 +186,64 @@ def expert_rows(recv_topk_idx: torch.Tensor, n_local: int, n_rows: int
     return order, local[order], counts[:n_local]
 
 
-class _Dispatch(torch.autograd.Function):
-    """buffer.dispatch of tokens and gate weights; backward: buffer.combine of both gradients."""
-
-    @staticmethod
-    def forward(ctx, x, topk_weights, topk_idx, buffer, n_experts):
-        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, n_experts)
-        recv_x, recv_idx, recv_weights, recv_counts, handle, _ = buffer.dispatch(
-            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=topk_idx, topk_weights=topk_weights)  # host waits for the receive counts
-        ctx.buffer, ctx.handle = buffer, handle
-        ctx.mark_non_differentiable(recv_idx)
-        return recv_x, recv_weights, recv_idx, handle, recv_counts
-
-    @staticmethod
-    def backward(ctx, grad_recv_x, grad_recv_weights, *_):
-        grad_x, grad_weights, _ = ctx.buffer.combine(grad_recv_x.contiguous(), ctx.handle,
-                                                     topk_weights=grad_recv_weights.float().contiguous())
-        return grad_x, grad_weights, None, None, None
+# DeepEP's exchange as two torch.library ops, so that selective AC keeps their outputs (`parallel._SAVE_OPS`): the
+# recompute neither exchanges again nor waits for the receive counts. An op passes only tensors, so the handle is its
+# six tensors (intranode), and the buffer is named by a key into `_buffers`.
+_buffers: dict[int, Any] = {}  # id(buffer) → the deep_ep.Buffer (or a test's stand-in) the ops run on
 
 
-class _Combine(torch.autograd.Function):
-    """buffer.combine, left running on DeepEP's stream (the caller waits on the returned event);
-    backward: buffer.dispatch with the cached handle."""
+@torch.library.custom_op("dsv3::deepep_dispatch", mutates_args=())
+def deepep_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, n_experts: int,
+                    buffer_key: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                              torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """buffer.dispatch of tokens and gate weights → (recv_x, recv_weights, recv_idx, receive counts per local expert
+    on the host, *handle). The host waits for the receive counts."""
+    buffer = _buffers[buffer_key]
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, n_experts)
+    recv_x, recv_idx, recv_weights, recv_counts, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx, topk_weights=topk_weights)
+    return recv_x, recv_weights, recv_idx, torch.tensor(recv_counts, dtype=torch.int64), *handle
 
-    @staticmethod
-    def forward(ctx, token_y, buffer, handle):
-        y, _, event = buffer.combine(token_y, handle, async_finish=True)
-        ctx.buffer, ctx.handle = buffer, handle
-        return y, event
 
-    @staticmethod
-    def backward(ctx, grad_y, _):
-        grad_token_y, *_ = ctx.buffer.dispatch(grad_y.contiguous(), handle=ctx.handle)
-        return grad_token_y, None, None
+def _dispatch_setup(ctx, inputs, output) -> None:
+    ctx.buffer_key, ctx.handle = inputs[4], output[4:]
+
+
+def _dispatch_backward(ctx, grad_recv_x, grad_recv_weights, *_):
+    """A combine of both gradients."""
+    grad_x, grad_weights, _ = _buffers[ctx.buffer_key].combine(
+        grad_recv_x.contiguous(), ctx.handle, topk_weights=grad_recv_weights.float().contiguous())
+    return grad_x, None, grad_weights, None, None
+
+
+deepep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+
+_pending_combine = None  # the event of the combine in flight (an op returns only tensors)
+
+
+@torch.library.custom_op("dsv3::deepep_combine", mutates_args=())
+def deepep_combine(token_y: torch.Tensor, buffer_key: int, handle0: torch.Tensor, handle1: torch.Tensor,
+                   handle2: torch.Tensor, handle3: torch.Tensor, handle4: torch.Tensor,
+                   handle5: torch.Tensor) -> torch.Tensor:
+    """buffer.combine, left running on DeepEP's stream: `DeepEPDispatcher.wait` joins it."""
+    global _pending_combine
+    y, _, _pending_combine = _buffers[buffer_key].combine(
+        token_y, (handle0, handle1, handle2, handle3, handle4, handle5), async_finish=True)
+    return y
+
+
+def _combine_setup(ctx, inputs, output) -> None:
+    ctx.buffer_key, ctx.handle = inputs[1], inputs[2:]
+
+
+def _combine_backward(ctx, grad_y):
+    """A dispatch of the gradient with the cached handle."""
+    grad_token_y, *_ = _buffers[ctx.buffer_key].dispatch(grad_y.contiguous(), handle=ctx.handle)
+    return (grad_token_y,) + (None,) * 7
+
+
+deepep_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
 class DeepEPDispatcher:
@@ -226,15 +252,15 @@ class DeepEPDispatcher:
     (on CUDA they are: FSDP computes in bf16); topk_idx int64 and weights fp32, as the router makes them."""
 
     def __init__(self, buffer, n_experts: int, align: int = 1):
-        self.buffer = buffer
+        self.buffer_key = id(buffer)
+        _buffers[self.buffer_key] = buffer
         self.n_experts = n_experts
         self.n_local = n_experts // buffer.group_size
         self.align = align
-        self.pending = None  # the event of the combine in flight
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  tokens_per_expert: torch.Tensor) -> tuple[TokenCopies, torch.Tensor, Any]:
-        recv_x, recv_weights, recv_idx, handle, n_rows = self._exchange(x, topk_idx, topk_weights)
+        recv_x, recv_weights, recv_idx, n_rows, handle = self._exchange(x, topk_idx, topk_weights)
         # compiled with the block: only the exchange itself runs eagerly
         order, expert_of_row, tokens_per_local_expert = expert_rows(recv_idx, self.n_local, n_rows)
         # N varies by step: few buffer sizes (bucket); none received: zero rows for every expert
@@ -245,27 +271,24 @@ class DeepEPDispatcher:
         # 0; R > 0 implies N > 0: DeepEP sends a token only to ranks that hold one of its experts)
         return TokenCopies(recv_x, order, recv_idx.size(1), recv_weights), tokens_per_local_expert, handle
 
-    def combine(self, token_y: torch.Tensor, handle: Any) -> torch.Tensor:
+    @torch.compiler.disable
+    def combine(self, token_y: torch.Tensor, handle: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """token_y [R, D]: the experts' sums per received token. Starts the exchange and returns y before it has
-        arrived: call `wait(y)` before reading y."""
-        return self._start_combine(token_y, handle)
+        arrived: call `wait(y)` before reading y. (Selective AC's recompute returns the saved y at once.)"""
+        return torch.ops.dsv3.deepep_combine(token_y, self.buffer_key, *handle)
 
     @torch.compiler.disable
     def wait(self, y: torch.Tensor) -> torch.Tensor:
         """Make the current stream wait for the combine in flight (what ran since overlapped it)."""
-        event, self.pending = self.pending, None
+        global _pending_combine
+        event, _pending_combine = _pending_combine, None
         if event is not None:
             event.current_stream_wait()
         return y
 
-    # DeepEP's calls stay out of torch.compile (graph breaks): C++ objects, host-side receive counts.
+    # DeepEP's calls stay out of torch.compile (graph breaks): host-side receive counts.
     @torch.compiler.disable
     def _exchange(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
-        recv_x, recv_weights, recv_idx, handle, recv_counts = _Dispatch.apply(
-            x, topk_weights, topk_idx, self.buffer, self.n_experts)
-        return recv_x, recv_weights, recv_idx, handle, sum(recv_counts)
-
-    @torch.compiler.disable
-    def _start_combine(self, token_y: torch.Tensor, handle: Any) -> torch.Tensor:
-        y, self.pending = _Combine.apply(token_y, self.buffer, handle)
-        return y
+        recv_x, recv_weights, recv_idx, recv_counts, *handle = torch.ops.dsv3.deepep_dispatch(
+            x, topk_idx, topk_weights, self.n_experts, self.buffer_key)
+        return recv_x, recv_weights, recv_idx, int(recv_counts.sum()), tuple(handle)

@@ -120,6 +120,9 @@ def test_simulated_exchange_matches_local_experts(ep):
         torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6)
 
 
+HANDLE = tuple(torch.full((1,), i) for i in range(6))  # deep_ep's intranode handle: six tensors
+
+
 class LoopbackBuffer:
     """deep_ep.Buffer's normal-mode calls at one rank (every expert local): dispatch and combine copy."""
 
@@ -140,10 +143,10 @@ class LoopbackBuffer:
             return x.clone(), None, None, None, None, self.Event()
         assert topk_idx.dtype == torch.int64 and topk_weights.dtype == torch.float32
         counts = num_tokens_per_expert.tolist()
-        return x.clone(), topk_idx.clone(), topk_weights.clone(), counts, ("handle",), self.Event()
+        return x.clone(), topk_idx.clone(), topk_weights.clone(), counts, HANDLE, self.Event()
 
     def combine(self, x, handle, topk_weights=None, async_finish=False, **kwargs):
-        assert handle == ("handle",)
+        assert len(handle) == len(HANDLE) and all(h.equal(g) for h, g in zip(handle, HANDLE))
         return x.clone(), None if topk_weights is None else topk_weights.clone(), self.Event()
 
 
@@ -179,7 +182,52 @@ def test_dispatcher_matches_local_dispatcher(align):
     torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-6)
     for name, g in grads_ref.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
-    assert moe.dispatcher.pending is None  # waited on
+    assert dispatch._pending_combine is None  # waited on
+
+
+class _CountingBuffer(LoopbackBuffer):
+    """LoopbackBuffer that counts its exchanges: (dispatches, combines)."""
+
+    def __init__(self):
+        self.calls = [0, 0]
+
+    def dispatch(self, *args, **kwargs):
+        self.calls[0] += 1
+        return super().dispatch(*args, **kwargs)
+
+    def combine(self, *args, **kwargs):
+        self.calls[1] += 1
+        return super().combine(*args, **kwargs)
+
+
+def test_selective_checkpoint_keeps_the_exchange():
+    """Under selective AC (parallel._selective_policy) the recompute takes DeepEP's saved outputs: one dispatch and
+    one combine forward, one of each backward (each other's gradients), none again; outputs and gradients equal
+    the block's without AC."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    torch.manual_seed(0)
+    moe = MoE(moe_config())
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    buffer = _CountingBuffer()
+    moe.dispatcher = DeepEPDispatcher(buffer, moe.n_experts)
+    x = torch.randn(2, 10, 32)
+    results = []
+    for ac in (False, True):
+        buffer.calls = [0, 0]
+        xi = x.clone().requires_grad_()
+        if ac:
+            y = checkpoint(lambda h: moe(h).y, xi, use_reentrant=False,
+                           context_fn=lambda: create_selective_checkpoint_contexts(parallel._selective_policy))
+        else:
+            y = moe(xi).y
+        y.square().sum().backward()
+        results.append((y.detach(), xi.grad, [p.grad.clone() for p in moe.parameters()], list(buffer.calls)))
+        moe.zero_grad()
+    (y_ref, dx_ref, grads_ref, calls_ref), (y, dx, grads, calls) = results
+    assert calls_ref == [2, 2] and calls == [2, 2], (calls_ref, calls)
+    torch.testing.assert_close((y, dx, grads), (y_ref, dx_ref, grads_ref), rtol=0, atol=0)
 
 
 class _NothingReceived(LoopbackBuffer):
@@ -188,7 +236,7 @@ class _NothingReceived(LoopbackBuffer):
     def dispatch(self, x, handle=None, topk_idx=None, topk_weights=None, **kwargs):
         if handle is not None:
             return x[:0].clone(), None, None, None, None, self.Event()
-        return x[:0].clone(), topk_idx[:0].clone(), topk_weights[:0].clone(), [0] * E, ("handle",), self.Event()
+        return x[:0].clone(), topk_idx[:0].clone(), topk_weights[:0].clone(), [0] * E, HANDLE, self.Event()
 
     def combine(self, x, handle, topk_weights=None, async_finish=False, **kwargs):
         return x.new_zeros(T, x.size(1)), None, self.Event()
