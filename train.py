@@ -72,6 +72,8 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torc
     losses = torch.zeros(3, device=batch.device)
     tokens_per_expert = 0
     for i, micro in enumerate(micro_batches):
+        if t.balanced_routing:
+            reseed_uniform_routing(model, step, i)
         if accumulate_unsharded_grads:
             parallel.set_gradient_sync(model, i == len(micro_batches) - 1)
         with copies.active(accumulate=len(micro_batches) > 1) if copies else contextlib.nullcontext():
@@ -97,6 +99,14 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torc
     world = dist.get_world_size() if dist.is_initialized() else 1
     losses = parallel.all_reduce_sum(losses / len(micro_batches)) / world
     return torch.cat([losses, grad_norm.reshape(1).float()]), tokens_per_expert
+
+
+@torch.no_grad()
+def reseed_uniform_routing(model: Transformer, step: int, micro_batch: int) -> None:
+    """train.balanced_routing: each router's seed for this micro-batch, from (step, micro-batch, rank, layer)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for layer, router in enumerate(model.routers()):
+        router.uniform_seed.fill_(hash((step, micro_batch, rank, layer)) % 2**31)
 
 
 @torch.no_grad()
@@ -179,6 +189,9 @@ def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
         model.init_weights()
         if world == 1:
             model.compute_copies = optim.ComputeCopies(model, torch.bfloat16)
+    if t.balanced_routing:
+        for router in model.routers():
+            router.uniform_seed = torch.zeros((), dtype=torch.int64, device=device)
     return model
 
 
@@ -254,6 +267,9 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
         if init_from_note:
             print(init_from_note, flush=True)
+        if t.balanced_routing:
+            print("train.balanced_routing: experts are chosen uniformly at random, not by the router (for benchmarks "
+                  "and debugging; the model does not learn its routing)", flush=True)
 
     model = build_model(cfg, world, device)
     optimizer = build_optimizer(model, t, device)

@@ -4,9 +4,11 @@
 Warm-up steps (compile, allocator), then timed steps on random tokens at train.py's lr schedule: tokens/s per GPU,
 MFU, peak memory; then a few steps timed block by block: each transformer layer's forward + backward time and MFU,
 dense and MoE, without the embedding, head, loss and optimizer (what a layer costs in a model of any depth, the
-61-layer one included); then a few profiled steps whose CUDA kernel time is split by phase from kernel names. At ep > 1
-it prints each EP rank's share of the routed tokens: at a constant full lr from step 1, random tokens collapse the
-routing within a few steps (one rank got every token), which is not a throughput anyone trains at.
+61-layer one included); then, after a warm-up step, a few profiled steps whose CUDA kernel time is split by phase from
+kernel names, with the GPU's idle time, the exposed communication and the host's waits. At ep > 1 it prints each EP
+rank's share of the routed tokens: at a constant full lr from step 1, random tokens collapse the routing within a few
+steps (one rank got every token), which is not a throughput anyone trains at: `--balanced-routing` measures what a
+balanced router gives (train.py on real data, where the bias balancing works, measures natural routing).
 """
 
 from __future__ import annotations
@@ -159,6 +161,34 @@ def expert_rows_vs_mean(loads: list[torch.Tensor]) -> list[float] | None:
     return [ratio.min().item(), ratio.max().item()]
 
 
+# CUDA runtime calls in which the host waits for the GPU
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def profiled_times(events, kernels, steps: int) -> dict[str, float]:
+    """Per profiled step, in ms: the GPU's idle time (no kernel on any stream), the exposed communication (time in
+    which only exchange and collective kernels ran: nothing hid them), and the host's waits for the GPU (CUDA
+    syncs; DeepEP's wait for its receive counts is a spin inside its dispatch, not counted here)."""
+    spans = [(e.time_range.start, e.time_range.end) for e in kernels]
+    compute = [(e.time_range.start, e.time_range.end) for e in kernels if phase_of(e.name) != "communication"]
+    span = max(end for _, end in spans) - min(start for start, _ in spans) if spans else 0.0
+    union = _union_us(spans)
+    waits = sum(e.time_range.end - e.time_range.start for e in events
+                if e.device_type == torch.autograd.DeviceType.CPU and e.name in HOST_WAITS)
+    return {"gpu_idle": (span - union) / 1e3 / steps, "exposed_communication": (union - _union_us(compute)) / 1e3 / steps,
+            "host_sync_wait": waits / 1e3 / steps}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
@@ -166,10 +196,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--layer-steps", type=int, default=3, help="steps timed block by block (0: none)")
     parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--balanced-routing", action="store_true",
+                        help="each token's experts a uniform random K-subset (train.balanced_routing): every EP rank "
+                             "gets its share, as with a trained router; random tokens otherwise collapse the routing")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--kernels", help="write every profiled CUDA kernel (ms per step, phase) to this TSV file")
     parser.add_argument("--trace", help="write a Chrome trace (CPU ops and CUDA kernels) of the profiled steps here")
     args, overrides = parser.parse_known_args()
+    if args.balanced_routing:
+        overrides.append("--train.balanced_routing=true")
     cfg = load_config(args.config, overrides)
     mcfg, t = cfg.model_config(), cfg.train
     rank, world, device = parallel.init_distributed(t.device)
@@ -230,17 +265,20 @@ def main() -> None:
         result["layer"] = layer_times(model, step, args.layer_steps, device, local_batch * t.seq_len, t.seq_len, peak)
 
     if args.profile_steps and device.type == "cuda":
-        activities = [torch.profiler.ProfilerActivity.CUDA]
-        if args.trace:  # the host side too: what the CPU was doing while the GPU waited
-            activities.append(torch.profiler.ProfilerActivity.CPU)
-        with torch.profiler.profile(activities=activities) as prof:
-            for i in range(args.profile_steps):
+        # one warm-up step first: the profiler's own start-up (and a late peer) stays out of the figures
+        schedule = torch.profiler.schedule(wait=0, warmup=1, active=args.profile_steps)
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
+            for i in range(1 + args.profile_steps):
                 step(i + 1)
-            _synchronize(device)
+                if i == args.profile_steps:
+                    _synchronize(device)
+                prof.step()
+        kernels = [e for e in prof.events()  # with CPU activity on, user annotations show on the GPU too
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
         ms: dict[str, float] = defaultdict(float)  # kernel name → ms per step
-        for event in prof.events():  # kernels only: with CPU activity on, user annotations show on the GPU too
-            if event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
-                ms[event.name] += event.device_time_total / 1e3 / args.profile_steps
+        for event in kernels:
+            ms[event.name] += event.device_time_total / 1e3 / args.profile_steps
         ms = dict(sorted(ms.items(), key=lambda kv: -kv[1]))
         per_phase: dict[str, float] = defaultdict(float)
         for key, kernel_ms in ms.items():
@@ -252,6 +290,7 @@ def main() -> None:
         per_phase["timed − kernels"] = max(1e3 * step_s - busy, 0.0)
         result["phase_ms"] = dict(sorted(per_phase.items(), key=lambda kv: -kv[1]))
         result["top_kernels_ms"] = [[ms[key], key[:100]] for key in list(ms)[:15]]  # names may share 100 chars
+        result["profiled_ms"] = profiled_times(prof.events(), kernels, args.profile_steps)
         if args.trace and rank == 0:
             prof.export_chrome_trace(args.trace)
         if args.kernels and rank == 0:
@@ -279,6 +318,10 @@ def main() -> None:
                 layer_mfu = f"{100 * layer['mfu']:.1f}%" if layer["mfu"] else "n/a"
                 print(f"  {'dense' if kind == 'dense' else 'MoE'} layer (×{layer['layers']}): {layer['ms']:.1f} ms "
                       f"(forward {layer['forward_ms']:.1f}, backward {layer['backward_ms']:.1f}), MFU {layer_mfu}")
+            if "profiled_ms" in result:
+                times = result["profiled_ms"]
+                print(f"  profiled step: GPU idle {times['gpu_idle']:.1f} ms, exposed communication "
+                      f"{times['exposed_communication']:.1f} ms, host waiting in CUDA syncs {times['host_sync_wait']:.1f} ms")
             for phase, ms in result.get("phase_ms", {}).items():
                 print(f"  {phase:<24} {ms:8.1f} ms  {100 * ms / result['step_ms']:5.1f}%")
             for ms, kernel in result.get("top_kernels_ms", []):

@@ -142,3 +142,39 @@ def test_expert_rows_vs_mean_spans_every_layer_and_step_and_is_none_without_moe_
 ])
 def test_kernels_are_split_into_the_phases_they_belong_to(kernel, phase):
     assert phase_of(kernel) == phase
+
+
+def test_balanced_routing_gives_every_expert_its_share_in_a_training_step():
+    """train.balanced_routing through train_step (and activation checkpointing, whose recompute must route as the
+    forward did): each MoE layer's experts get near-equal rows; without it, the learned router's rows are uneven."""
+    rows = {}
+    for balanced in (False, True):
+        cfg = load_config("configs/debug.toml", ["--train.global_batch=8", "--train.micro_batch=4",
+                                                 "--train.seq_len=256", "--train.activation_checkpoint=full",
+                                                 f"--train.balanced_routing={str(balanced).lower()}"])
+        model = train.build_model(cfg, 1, torch.device("cpu"))
+        optimizer = train.build_optimizer(model, cfg.train, torch.device("cpu"))
+        batch = torch.randint(0, 50, (8, 257), generator=torch.Generator().manual_seed(0))  # a narrow vocabulary
+        values, tokens_per_expert = train.train_step(model, optimizer, batch, cfg.train, 1)
+        assert torch.isfinite(values).all()
+        rows[balanced] = expert_rows_vs_mean([tokens_per_expert])
+    low, high = rows[True]
+    assert 0.85 < low and high < 1.15, rows
+    assert rows[False][1] - rows[False][0] > high - low, rows
+
+
+def test_profiled_times_split_idle_exposed_communication_and_host_waits():
+    """Two steps: compute kernels [0, 4) and [6, 9), an exchange [3, 8) (hidden 3-4 and 6-8, exposed 4-6), nothing
+    9-10, the host waiting 2 units in a sync. Times in µs, per step in ms."""
+    from types import SimpleNamespace
+
+    def event(name, start, end, device):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start * 1e3, end=end * 1e3),
+                               device_type=device)
+
+    gpu, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    kernels = [event("nvjet_gemm", 0, 4, gpu), event("ncclDevKernel_AllToAll", 3, 8, gpu),
+               event("nvjet_gemm", 6, 9, gpu), event("flash_fwd", 10, 12, gpu)]
+    events = kernels + [event("cudaStreamSynchronize", 1, 3, cpu), event("aten::mm", 0, 1, cpu)]
+    times = bench.profiled_times(events, kernels, steps=2)
+    assert times == {"gpu_idle": 0.5, "exposed_communication": 1.0, "host_sync_wait": 1.0}
