@@ -266,7 +266,7 @@ def main() -> None:
 
     if args.profile_steps and device.type == "cuda":
         # one warm-up step first: the profiler's own start-up (and a late peer) stays out of the figures
-        schedule = torch.profiler.schedule(wait=0, warmup=1, active=args.profile_steps)
+        schedule = torch.profiler.schedule(wait=0, warmup=1, active=args.profile_steps, repeat=1)
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
             for i in range(1 + args.profile_steps):
