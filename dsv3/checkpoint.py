@@ -26,6 +26,7 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -89,13 +90,19 @@ def step_of(path: Path) -> int:
 
 
 @contextlib.contextmanager
-def _quiet_without_group() -> Iterator[None]:
-    """Without a process group DCP warns that it assumes a single process, even when told so (no_dist=True):
-    here that is the intent, so the warning is noise. With a group, nothing is filtered."""
+def _dcp_call() -> Iterator[None]:
+    """Around a dcp.save or dcp.load. DCP wraps a rank's error in CheckpointException, a BaseException that
+    `except Exception` misses and whose message is a traceback: the first failed rank's own error is raised instead
+    (a full disk stays an OSError, Ctrl-C a KeyboardInterrupt). Without a process group DCP warns that it assumes a
+    single process, even when told so: here that is the intent, so the warning is filtered."""
     with warnings.catch_warnings():
         if not dist.is_initialized():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
+        try:
+            yield
+        except CheckpointException as e:
+            error, _ = e.failures[min(e.failures)]  # (exception, its stack summary)
+            raise error from None
 
 
 def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -111,7 +118,7 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
              "train": train_state}
     try:
-        with _quiet_without_group():
+        with _dcp_call():
             dcp.save(state, checkpoint_id=str(tmp))
         with open(tmp / f"rng-{_rank()}.pt", "wb") as f:  # per rank: DCP keeps one copy of a plain tensor
             torch.save(_rng_state(), f)
@@ -130,7 +137,9 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
 
         _on_rank_0(f"renaming checkpoint {tmp} to {final}", publish)
     except Exception as e:
-        # DCP and torch.save may wrap the OS error in their own (torch.save: "enforce fail at inline_container")
+        if _rank() == 0:  # on a full disk, a half-written step-N.tmp would keep the resumed run from starting
+            shutil.rmtree(tmp, ignore_errors=True)
+        # torch.save may wrap the OS error in its own ("enforce fail at inline_container")
         disk_full = getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e)
         if disk_full or shutil.disk_usage(run_dir).free < _CHUNK:
             previous = [p.name for p in checkpoints(run_dir) if p != final]
@@ -316,7 +325,7 @@ def load_train_state(path: str | Path, train_state: dict[str, Any]) -> dict[str,
 def _load_train_and(state: dict[str, Any], path: str | Path) -> None:
     """dcp.load of `state` (its "train" entry and whatever else it holds), the saved train state checked whole."""
     try:
-        with _quiet_without_group():
+        with _dcp_call():
             dcp.load(state, checkpoint_id=str(path))
     except Exception as e:  # under a process group DCP re-raises a rank's error wrapped in its own
         missing = re.search(r"Missing key in checkpoint state_dict: (\S+?)\.?$", str(e), re.MULTILINE)

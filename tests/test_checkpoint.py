@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint import FileSystemWriter
 
 import train
 from dsv3 import checkpoint, optim, rundir
@@ -239,17 +240,26 @@ def test_rotation_never_deletes_the_newest_confirmed_checkpoint(tmp_path):
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-2"]
 
 
-def test_a_full_disk_during_a_save_names_the_path_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
-    _save_linear(tmp_path, 1)
+class _DiskFillsUp(FileSystemWriter):
+    """A storage writer whose disk fills up as DCP writes the shards: DCP wraps the OS error in a CheckpointException,
+    a BaseException that `except Exception` misses."""
 
-    def full_disk(state, checkpoint_id):
+    def write_data(self, plan, planner):
+        super().write_data(plan, planner)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(checkpoint.dcp, "save", full_disk)
+
+def test_a_full_disk_during_a_save_names_the_path_removes_the_half_save_and_keeps_the_last_checkpoint(tmp_path,
+                                                                                                    monkeypatch):
+    _save_linear(tmp_path, 1)
+    real_save = checkpoint.dcp.save
+    monkeypatch.setattr(checkpoint.dcp, "save", lambda state, checkpoint_id: real_save(
+        state, storage_writer=_DiskFillsUp(checkpoint_id)))
     with pytest.raises(OSError, match=rf"No space left on device while writing checkpoint {tmp_path / 'step-2.tmp'}"
                                       r".*the last complete checkpoint, step-1, is untouched"):
         _save_linear(tmp_path, 2)
     monkeypatch.undo()
+    assert not (tmp_path / "step-2.tmp").exists()  # its space is free again for the resumed run
     assert checkpoint.resume_from(tmp_path) == tmp_path / "step-1"
 
 

@@ -234,9 +234,9 @@ def test_crash_mid_save_keeps_previous_checkpoint(data, tmp_path, monkeypatch, f
     monkeypatch.undo()
     before_crash = read_metrics(tmp_path)  # steps 1-4 were logged before step 4's save
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-2"]
-    assert (tmp_path / "step-4.tmp").is_dir()
+    assert not (tmp_path / "step-4.tmp").exists()  # on a full disk its space is needed by the resumed run
 
-    after = run(tmp_path, *args, "--resume")  # from step-2: redoes steps 3-4 and clears the stale .tmp
+    after = run(tmp_path, *args, "--resume")  # from step-2: redoes steps 3-4
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-2", "step-4"]
     assert not (tmp_path / "step-4.tmp").exists()
     for step in (3, 4):
@@ -559,6 +559,20 @@ def test_signals_during_the_stops_save_change_nothing_and_the_checkpoint_before_
 
     resumed = run(tmp_path / "stopped", *args, "--resume")
     assert sorted(resumed) == [1, 2, 3, 4, 5]
+
+
+def test_ctrl_c_during_the_final_export_is_one_line_and_exit_code_130(data, tmp_path, monkeypatch, capsys):
+    """DCP wraps the KeyboardInterrupt in its CheckpointException, which run_main did not know."""
+    class InterruptedWriter(export.dcp.HuggingFaceStorageWriter):
+        def write_data(self, plan, planner):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(export.dcp, "HuggingFaceStorageWriter", InterruptedWriter)
+    with pytest.raises(SystemExit) as stopped:
+        run_main(lambda: run(tmp_path, *TINY, "--train.steps=1", "--checkpoint.every=1", "--checkpoint.export=true"))
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err == "interrupted (Ctrl-C)\n"
+    assert checkpoint.verify(tmp_path / "step-1") is None and not (tmp_path / "export").exists()
 
 
 def test_ctrl_c_before_training_is_one_line_and_exit_code_130(data, tmp_path, monkeypatch, capsys):
