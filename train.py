@@ -240,14 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     start_step = 0
     guard = DivergenceGuard(t.loss_spike_factor, t.grad_norm_spike_factor)
     if resume_path:  # the train state before the model is built: other data (sources, seq_len, dataset) stops here
-        # the guard's running means too: a fresh guard would judge no spike in the resumed run's first steps
-        wanted = {"step": 0, "data": loader.state_dict()} | (
-            {"guard": guard.state_dict()} if "guard" in checkpoint.train_entries(resume_path) else {})
-        saved = checkpoint.load_train_state(resume_path, wanted)
+        saved = checkpoint.read_train_state(resume_path)
         loader.load_state_dict(saved["data"])
         start_step = saved["step"]
-        if "guard" in saved:
-            guard.load_state_dict(saved["guard"])
+        guard.load_state_dict(saved["guard"])  # a fresh guard would judge no spike in the first resumed steps
     if rank == 0:
         print(startup_banner(cfg, world, device, memory_plan.summary() if memory_plan else None,
                              describe_mixture(loader, sum(batch_at(s, t, world) for s in range(1, t.steps + 1)))),
@@ -260,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
 
     unconfirmed: list[int] = []  # saved checkpoints whose next step has not been seen healthy yet
     if resume_path:
-        checkpoint.load(resume_path, model, optimizer, {})  # the train state was read above
+        checkpoint.load(resume_path, model, optimizer)  # the train state was read above
         if not checkpoint.is_confirmed(resume_path):  # the last run crashed right after saving it
             unconfirmed.append(start_step)
         if rank == 0:

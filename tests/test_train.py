@@ -113,9 +113,8 @@ def test_export_loads_into_a_fresh_model_and_matches_the_last_checkpoint(learned
     last = checkpoint.checkpoints(learned)[-1]
     assert last.name == f"step-{LEARN_STEPS}"
     trained = Transformer(cfg)
-    state = checkpoint.load(last, trained, train.build_optimizer(trained, TrainConfig(), torch.device("cpu")),
-                            {"step": 0})
-    assert state["step"] == LEARN_STEPS
+    checkpoint.load(last, trained, train.build_optimizer(trained, TrainConfig(), torch.device("cpu")))
+    assert checkpoint.read_train_state(last)["step"] == LEARN_STEPS
 
     trained_state = trained.state_dict()
     for name, value in exported.state_dict().items():
@@ -286,7 +285,7 @@ def test_an_exploding_update_is_caught_before_its_weights_become_the_checkpoint_
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-4"]  # keep=1 kept the confirmed one
     exploded = Transformer(dataclasses.replace(FLAVORS["debug"], n_layers=2))
     checkpoint.load(tmp_path / "step-6.diverged", exploded, train.build_optimizer(exploded, TrainConfig(),
-                                                                                   torch.device("cpu")), {"step": 0})
+                                                                                   torch.device("cpu")))
     assert exploded.embed.weight.abs().max() > 10  # finite but exploded: what the old guard saved
 
     resumed = run(tmp_path, *args, "--resume")
