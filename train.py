@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from dsv3 import checkpoint, dispatch, export, optim, parallel, quant, rundir
-from dsv3.config import Config, TrainConfig, UserError, help_text, load_config, run_main
+from dsv3.config import (Config, TrainConfig, UserError, help_text, load_config, resume_changes, resume_record,
+                         run_main)
 from dsv3.data import MixtureLoader, PackedLoader, check_sources, data_tokenizer, describe_mixture
 from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, import_wandb,
                           memory_stats, mfu, parameter_counts, peak_flops, startup_banner)
@@ -220,6 +221,10 @@ def main(argv: list[str] | None = None) -> None:
                         f"({', '.join(p.name for p in found)}): continue that run "
                         "with --resume, or give this one its own --checkpoint.dir")
     resume_path = checkpoint.resume_from(run_dir, cfg.checkpoint.verify_checksums) if cfg.checkpoint.resume else None
+    saved = checkpoint.read_train_state(resume_path) if resume_path else None
+    for change in resume_changes(saved["config"], cfg) if saved else []:  # a change that breaks saved state stops
+        if rank == 0:
+            print(f"resume: {change}", flush=True)
     finished = resume_path is not None and checkpoint.step_of(resume_path) >= t.steps
     if finished and cfg.checkpoint.export and not (run_dir / "export").is_dir():
         if rank == 0:  # a run killed while it exported: no step left, so the export is all it does
@@ -239,8 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         MixtureLoader(cfg.data.mixture(), "val", t.seq_len)  # fail now, not at the first validation
     start_step = 0
     guard = DivergenceGuard(t.loss_spike_factor, t.grad_norm_spike_factor)
-    if resume_path:  # the train state before the model is built: other data (sources, seq_len, dataset) stops here
-        saved = checkpoint.read_train_state(resume_path)
+    if saved:  # the train state before the model is built: another dataset stops here
         loader.load_state_dict(saved["data"])
         start_step = saved["step"]
         guard.load_state_dict(saved["guard"])  # a fresh guard would judge no spike in the first resumed steps
@@ -325,7 +329,8 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == t.steps or stopping):
             flush()  # never save over the last good checkpoint with a diverged model
             checkpoint.save(run_dir, step, model, optimizer,
-                            {"step": step, "data": loader.state_dict(), "guard": guard.state_dict()},
+                            {"step": step, "data": loader.state_dict(), "guard": guard.state_dict(),
+                             "config": resume_record(cfg)},
                             cfg.checkpoint.keep, cfg.checkpoint.verify_checksums)
             unconfirmed.append(step)
         clock += time.perf_counter() - paused

@@ -325,6 +325,55 @@ def test_a_resumed_run_judges_its_first_steps_against_the_saved_running_means(da
             "--train.lr=30", "--train.warmup_steps=0", "--resume")
 
 
+@pytest.fixture(scope="module")
+def two_sources(data, tmp_path_factory) -> tuple[Path, list[str]]:
+    """A finished 1-step run of TINY (2 layers, bf16 moments) on a mixture: the bundled corpus 0.7, a second name
+    for it 0.3."""
+    root = tmp_path_factory.mktemp("two_sources")
+    (root / "other").symlink_to(DATA)
+    sources = f"--data.sources={DATA}:0.7,{root / 'other'}:0.3"
+    train.main(["--config", CONFIG, sources, f"--checkpoint.dir={root / 'run'}", *TINY, "--train.steps=1",
+                "--checkpoint.every=1", "--checkpoint.export=true"])
+    return root / "run", [f"--data.sources={DATA}:0.5,{root / 'other'}:0.5", *TINY[:-1], "--train.steps=1",
+                          "--checkpoint.every=1", "--checkpoint.export=true"]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--model.n_layers=1", "saved with model.n_layers=2, this run has 1: resume with --model.n_layers=2"),
+    ("--model.n_layers=3", "saved with model.n_layers=2, this run has 3: resume with --model.n_layers=2"),
+    ("--model.inter_dim=256", "saved with model.inter_dim=320, this run has 256: resume with --model.inter_dim=320"),
+    ("--model.score_func=softmax", "saved with model.score_func=sigmoid, this run has softmax: resume with "
+                                   "--model.score_func=sigmoid"),
+    ("--train.optimizer_state_dtype=fp32", "saved with train.optimizer_state_dtype=bf16, this run has fp32: resume "
+                                           "with --train.optimizer_state_dtype=bf16"),
+    ("--data.sources={DATA}:1", r"the checkpoint read the data sources \{'stdlib': .*'other': .*\}, this run has "
+                                r"\{'stdlib': .*\}: resume with the same data.path or data.sources"),
+], ids=["fewer-layers", "more-layers", "dim", "reinterpreted", "optimizer-state", "sources"])
+def test_a_resume_that_would_drop_reshape_or_reinterpret_saved_state_is_one_line_before_building(
+        two_sources, monkeypatch, override, message):
+    run_dir, args = two_sources
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != "lock"}
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    refusal = f"^--resume: (the checkpoint was )?{message}.*start a new run in another --checkpoint.dir$"
+    with pytest.raises(UserError, match=refusal):
+        train.main(["--config", CONFIG, f"--checkpoint.dir={run_dir}", *args, override.format(DATA=DATA),
+                    "--train.steps=2", "--resume"])
+    after = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != "lock"}
+    assert after == before  # checkpoints, metrics and export untouched
+
+
+def test_a_resume_names_each_safe_change_at_start_up(two_sources, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_sources[0], run_dir, symlinks=True)
+    capsys.readouterr()
+    train.main(["--config", CONFIG, f"--checkpoint.dir={run_dir}", *two_sources[1], "--train.steps=2",
+                "--train.lr=1e-3", "--log.every=2", "--resume"])
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resume: ")]
+    assert said == ["resume: mixture weights changed: stdlib 0.7 → 0.5, other 0.3 → 0.5",
+                    "resume: train.lr changed: 0.003 → 0.001", "resume: log.every changed: 10 → 2",
+                    "resume: train.steps 1 → 2: lr schedule recomputed, export will be replaced"]
+
+
 def test_resume_with_no_checkpoint_is_an_error_not_a_fresh_start(data, tmp_path, monkeypatch):
     monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
     with pytest.raises(UserError, match=rf"--resume: checkpoint.dir={tmp_path / 'typo'} does not exist"):
