@@ -23,7 +23,8 @@ from torch.distributed.fsdp import FSDPModule
 from dsv3 import checkpoint, dispatch, export, optim, parallel, quant, rundir
 from dsv3.config import (Config, TrainConfig, UserError, help_text, load_config, resume_changes, resume_record,
                          run_main)
-from dsv3.data import MixtureLoader, PackedLoader, check_sources, data_tokenizer, describe_mixture
+from dsv3.data import (MixtureLoader, PackedLoader, check_first_batch, check_sources, data_tokenizer,
+                       describe_mixture)
 from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, import_wandb,
                           memory_stats, mfu, parameter_counts, peak_flops, startup_banner)
 from dsv3.model import Transformer
@@ -248,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         loader.load_state_dict(saved["data"])
         start_step = saved["step"]
         guard.load_state_dict(saved["guard"])  # a fresh guard would judge no spike in the first resumed steps
+    check_first_batch(loader, batch_at(start_step + 1, t, world), mcfg.vocab_size)
     if rank == 0:
         print(startup_banner(cfg, world, device, memory_plan.summary() if memory_plan else None,
                              describe_mixture(loader, sum(batch_at(s, t, world) for s in range(1, t.steps + 1)))),
