@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         memory_plan = check_fits(cfg, world, torch.cuda.get_device_name(device),
                                  torch.cuda.get_device_properties(device).total_memory)
     check_sources(cfg.data.mixture(), mcfg.vocab_size, cfg.checkpoint.init_from)
+    tokenizer = data_tokenizer(cfg.data.mixture())  # for the export; a damaged one stops the run now, not at the end
     init_from_note = export.check_init_from(cfg.checkpoint.init_from, mcfg) if cfg.checkpoint.init_from else ""
     run_dir = Path(cfg.checkpoint.dir)
     rundir.lock_run_dir(run_dir, create=not cfg.checkpoint.resume)  # one run per directory, until it ends
@@ -343,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     # delete the last one a step vouched for, which a continued run that diverges at once falls back to.
     if not stopping:
         if cfg.checkpoint.export:
-            export.export(run_dir / "export", model, mcfg, data_tokenizer(cfg.data.mixture()))
+            export.export(run_dir / "export", model, mcfg, tokenizer)
     elif rank == 0:
         saved = (f"saved {run_dir / f'step-{step}'}; continue with: {resume_command(argv)}" if cfg.checkpoint.every
                  else "nothing saved (checkpoint.every=0)")

@@ -293,4 +293,9 @@ def describe_mixture(loader: MixtureLoader, run_sequences: int) -> str:
 
 def data_tokenizer(mixture: list[tuple[str, str, float]]) -> Tokenizer | None:
     """The tokenizer the data was prepared with (saved in the dataset by scripts/prepare_data.py), if any."""
-    return find_tokenizer(Path(mixture[0][1]) / "tokenizer")
+    directory = Path(mixture[0][1]) / "tokenizer"
+    try:
+        return find_tokenizer(directory)
+    except UserError as e:
+        raise UserError(f"the dataset's tokenizer in {directory} does not open ({e}); restore it, or re-run "
+                        "scripts/prepare_data.py for the dataset") from None

@@ -420,6 +420,18 @@ def test_bad_input_is_a_clear_error_before_the_model_is_built(data, tmp_path, mo
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_a_damaged_tokenizer_in_the_dataset_stops_the_run_before_building(tmp_path, monkeypatch):
+    dataset = tmp_path / "dataset"
+    (dataset / "tokenizer").mkdir(parents=True)
+    for split in ("train", "val"):
+        (dataset / split).symlink_to(DATA / split)
+    (dataset / "tokenizer" / "tokenizer.model").write_bytes((DATA / "tokenizer" / "tokenizer.model").read_bytes()[:99])
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(UserError, match=rf"^the dataset's tokenizer in {dataset / 'tokenizer'} does not open \(.*\); "
+                                        r"restore it, or re-run scripts/prepare_data.py for the dataset$"):
+        run(tmp_path / "run", *TINY, f"--data.path={dataset}")
+
+
 def test_init_from_a_hugging_face_checkpoint_names_the_conversion_before_building(data, tmp_path, monkeypatch):
     hf_dir = tmp_path / "DeepSeek-V3-hf"
     hf_dir.mkdir()
