@@ -287,8 +287,10 @@ def main(argv: list[str] | None = None) -> None:
             problem = guard.check(step, dict(zip(("loss", "mtp_loss", "balance_loss", "grad_norm"), row)))
             if problem:  # the weights after step s-1 produced step s's values: only those up to s-2 are vouched for
                 kept = checkpoint.discard_after(run_dir, step - 2)
-                raise FloatingPointError(f"{problem}; newer checkpoints were moved aside (*.diverged), the newest "
-                                         f"left is {kept or 'none'}: --resume from it, e.g. with a lower --train.lr")
+                again = (f"the newest left is {kept}: --resume from it" if kept else
+                         "no checkpoint from before it is left: start the run again without --resume")
+                raise FloatingPointError(f"{problem}; newer checkpoints were moved aside (*.diverged), {again}, e.g. "
+                                         "with a lower --train.lr")
             while unconfirmed and unconfirmed[0] < step:
                 checkpoint.confirm(run_dir, unconfirmed.pop(0), cfg.checkpoint.keep)
         pending.clear()

@@ -90,6 +90,9 @@ class ModelConfig:
         for name in ("n_dense_layers", "n_shared_experts", "q_lora_rank", "n_mtp_layers"):
             if getattr(self, name) < 0:
                 problems.append(f"model.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("norm_eps", "init_std", "rope_theta", "route_scale"):
+            if not 0 < getattr(self, name) < math.inf:  # `not` also catches nan
+                problems.append(f"model.{name} must be > 0 and finite, got {getattr(self, name)}")
         if self.qk_rope_head_dim % 2:
             problems.append(f"model.qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
         problems += self._rope_problems()
@@ -367,6 +370,9 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
                             "e.g. configs/debug.toml") from None
         except tomllib.TOMLDecodeError as e:  # its message ends "(at line L, column C)"
             raise UserError(f"{path} is not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}): TOML "
+                            "files are UTF-8, save it as UTF-8") from None
         for section, body in doc.items():
             if not isinstance(body, dict):  # top-level keys: only `flavor`
                 _set(cfg, "", section, body)

@@ -314,10 +314,13 @@ def test_a_full_disk_during_a_save_names_the_path_removes_the_half_save_and_keep
     assert checkpoint.resume_from(tmp_path) == tmp_path / "step-1"
 
 
-def test_a_run_directory_without_room_for_one_checkpoint_is_refused(tmp_path):
-    with pytest.raises(UserError, match="has .* GiB free but one checkpoint needs about"):
+def test_a_run_directory_without_room_for_one_checkpoint_is_refused(tmp_path, monkeypatch):
+    with pytest.raises(UserError, match="has .* free but one checkpoint needs about 1.05e\\+06 TiB"):
         rundir.check_free_space(tmp_path, 1 << 60)
     rundir.check_free_space(tmp_path, 1 << 10)
+    monkeypatch.setattr(rundir.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 40, 1 << 40, 50 << 20))
+    with pytest.raises(UserError, match="has 50 MiB free but one checkpoint needs about 600 MiB: free space"):
+        rundir.check_free_space(tmp_path, 600 << 20)  # under 0.1 GiB: once "0.0 GiB free but ... about 0.6 GiB"
 
 
 def _check_space_where_rank_1_cannot_write(rank: int, world: int, port: int, run_dir: Path, results: Path) -> None:

@@ -264,6 +264,13 @@ def test_nan_loss_stops_the_run_and_leaves_only_checkpoints_from_before_it(data,
     assert all(math.isfinite(resumed[step]["loss"]) for step in range(3, 7))
 
 
+def test_a_divergence_before_any_checkpoint_says_to_start_again(data, tmp_path, monkeypatch):
+    stop_at(monkeypatch, 2, lambda model: model.embed.weight.data.fill_(float("nan")))
+    with pytest.raises(FloatingPointError, match=r"^loss is nan at step 2; .*, no checkpoint from before it is left: "
+                                                 r"start the run again without --resume, e.g. with a lower --train.lr$"):
+        run(tmp_path, *TINY, "--train.steps=3", "--checkpoint.every=100")
+
+
 def test_an_exploding_update_is_caught_before_its_weights_become_the_checkpoint_to_resume(data, tmp_path,
                                                                                           monkeypatch):
     """Step 6's update explodes the weights (finite, but huge) and step-6 is saved with them; only step 7's loss
