@@ -275,8 +275,8 @@ def test_failed_rerun_leaves_the_previous_dataset_intact(tmp_path, monkeypatch):
         prepare([str(many)], TOKENIZER, str(out), shard_tokens=100, progress=False)
     after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert after == before
-    # nothing left behind but the finished units, kept for a re-run
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["many", "tokens", "tokens.partial", "txt"]
+    # nothing left behind but the finished units, kept for a re-run, and the lock file (no longer held)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many", "tokens", "tokens.lock", "tokens.partial", "txt"]
 
 
 def test_rerun_replaces_the_dataset_and_drops_its_extra_shards(tmp_path):

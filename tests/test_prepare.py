@@ -180,7 +180,7 @@ def test_a_kill_while_the_staging_directory_is_removed_does_not_block_the_next_r
     monkeypatch.undo()
     prepare([str(corpus)], out_dir=str(tmp_path / "out"), **settings)  # no "not a staging directory" refusal
     assert dataset_files(tmp_path / "out")
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("out")) == ["out"]  # nothing left over
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("out")) == ["out", "out.lock"]
 
 
 def test_sigkilled_workers_leave_units_a_rerun_finishes_identically(tmp_path, monkeypatch):
