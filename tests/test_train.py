@@ -266,8 +266,9 @@ def test_nan_loss_stops_the_run_and_leaves_only_checkpoints_from_before_it(data,
 
 def test_a_divergence_before_any_checkpoint_says_to_start_again(data, tmp_path, monkeypatch):
     stop_at(monkeypatch, 2, lambda model: model.embed.weight.data.fill_(float("nan")))
-    with pytest.raises(FloatingPointError, match=r"^loss is nan at step 2; .*, no checkpoint from before it is left: "
-                                                 r"start the run again without --resume, e.g. with a lower --train.lr$"):
+    with pytest.raises(FloatingPointError, match=r"^loss is nan at step 2; .*, no checkpoint from before it is "
+                                                 r"left: start the run again without --resume, e.g. with a lower "
+                                                 r"--train.lr$"):
         run(tmp_path, *TINY, "--train.steps=3", "--checkpoint.every=100")
 
 
