@@ -21,8 +21,10 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from dsv3 import checkpoint, dispatch, export, optim, parallel, quant, rundir
-from dsv3.config import Config, TrainConfig, UserError, help_text, load_config, run_main
-from dsv3.data import MixtureLoader, PackedLoader, check_sources, data_tokenizer, describe_mixture
+from dsv3.config import (Config, TrainConfig, UserError, help_text, load_config, resume_changes, resume_record,
+                         run_main)
+from dsv3.data import (MixtureLoader, PackedLoader, check_first_batch, check_sources, data_tokenizer,
+                       describe_mixture)
 from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, import_wandb,
                           memory_stats, mfu, parameter_counts, peak_flops, startup_banner)
 from dsv3.model import Transformer
@@ -224,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         memory_plan = check_fits(cfg, world, torch.cuda.get_device_name(device),
                                  torch.cuda.get_device_properties(device).total_memory)
     check_sources(cfg.data.mixture(), mcfg.vocab_size, cfg.checkpoint.init_from)
+    tokenizer = data_tokenizer(cfg.data.mixture())  # for the export; a damaged one stops the run now, not at the end
     init_from_note = export.check_init_from(cfg.checkpoint.init_from, mcfg) if cfg.checkpoint.init_from else ""
     run_dir = Path(cfg.checkpoint.dir)
     rundir.lock_run_dir(run_dir, create=not cfg.checkpoint.resume)  # one run per directory, until it ends
@@ -233,6 +236,10 @@ def main(argv: list[str] | None = None) -> None:
                         f"({', '.join(p.name for p in found)}): continue that run "
                         "with --resume, or give this one its own --checkpoint.dir")
     resume_path = checkpoint.resume_from(run_dir, cfg.checkpoint.verify_checksums) if cfg.checkpoint.resume else None
+    saved = checkpoint.read_train_state(resume_path) if resume_path else None
+    for change in resume_changes(saved["config"], cfg) if saved else []:  # a change that breaks saved state stops
+        if rank == 0:
+            print(f"resume: {change}", flush=True)
     finished = resume_path is not None and checkpoint.step_of(resume_path) >= t.steps
     if finished and cfg.checkpoint.export and not (run_dir / "export").is_dir():
         if rank == 0:  # a run killed while it exported: no step left, so the export is all it does
@@ -252,15 +259,11 @@ def main(argv: list[str] | None = None) -> None:
         MixtureLoader(cfg.data.mixture(), "val", t.seq_len)  # fail now, not at the first validation
     start_step = 0
     guard = DivergenceGuard(t.loss_spike_factor, t.grad_norm_spike_factor)
-    if resume_path:  # the train state before the model is built: other data (sources, seq_len, dataset) stops here
-        # the guard's running means too: a fresh guard would judge no spike in the resumed run's first steps
-        wanted = {"step": 0, "data": loader.state_dict()} | (
-            {"guard": guard.state_dict()} if "guard" in checkpoint.train_entries(resume_path) else {})
-        saved = checkpoint.load_train_state(resume_path, wanted)
+    if saved:  # the train state before the model is built: another dataset stops here
         loader.load_state_dict(saved["data"])
         start_step = saved["step"]
-        if "guard" in saved:
-            guard.load_state_dict(saved["guard"])
+        guard.load_state_dict(saved["guard"])  # a fresh guard would judge no spike in the first resumed steps
+    check_first_batch(loader, batch_at(start_step + 1, t, world), mcfg.vocab_size)
     if rank == 0:
         print(startup_banner(cfg, world, device, memory_plan.summary() if memory_plan else None,
                              describe_mixture(loader, sum(batch_at(s, t, world) for s in range(1, t.steps + 1)))),
@@ -276,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
 
     unconfirmed: list[int] = []  # saved checkpoints whose next step has not been seen healthy yet
     if resume_path:
-        checkpoint.load(resume_path, model, optimizer, {})  # the train state was read above
+        checkpoint.load(resume_path, model, optimizer)  # the train state was read above
         if not checkpoint.is_confirmed(resume_path):  # the last run crashed right after saving it
             unconfirmed.append(start_step)
         if rank == 0:
@@ -300,8 +303,10 @@ def main(argv: list[str] | None = None) -> None:
             problem = guard.check(step, dict(zip(("loss", "mtp_loss", "balance_loss", "grad_norm"), row)))
             if problem:  # the weights after step s-1 produced step s's values: only those up to s-2 are vouched for
                 kept = checkpoint.discard_after(run_dir, step - 2)
-                raise FloatingPointError(f"{problem}; newer checkpoints were moved aside (*.diverged), the newest "
-                                         f"left is {kept or 'none'}: --resume from it, e.g. with a lower --train.lr")
+                again = (f"the newest left is {kept}: --resume from it" if kept else
+                         "no checkpoint from before it is left: start the run again without --resume")
+                raise FloatingPointError(f"{problem}; newer checkpoints were moved aside (*.diverged), {again}, e.g. "
+                                         "with a lower --train.lr")
             while unconfirmed and unconfirmed[0] < step:
                 checkpoint.confirm(run_dir, unconfirmed.pop(0), cfg.checkpoint.keep)
         pending.clear()
@@ -345,7 +350,8 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == t.steps or stopping):
             flush()  # never save over the last good checkpoint with a diverged model
             checkpoint.save(run_dir, step, model, optimizer,
-                            {"step": step, "data": loader.state_dict(), "guard": guard.state_dict()},
+                            {"step": step, "data": loader.state_dict(), "guard": guard.state_dict(),
+                             "config": resume_record(cfg)},
                             cfg.checkpoint.keep, cfg.checkpoint.verify_checksums)
             unconfirmed.append(step)
         clock += time.perf_counter() - paused
@@ -356,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     # delete the last one a step vouched for, which a continued run that diverges at once falls back to.
     if not stopping:
         if cfg.checkpoint.export:
-            export.export(run_dir / "export", model, mcfg, data_tokenizer(cfg.data.mixture()))
+            export.export(run_dir / "export", model, mcfg, tokenizer)
     elif rank == 0:
         saved = (f"saved {run_dir / f'step-{step}'}; continue with: {resume_command(argv)}" if cfg.checkpoint.every
                  else "nothing saved (checkpoint.every=0)")

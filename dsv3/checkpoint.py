@@ -6,14 +6,21 @@ Every checkpoint carries a manifest of its files' sizes and checksums that resum
 back to an older one when a file is damaged), and a checkpoint stays *unconfirmed* until the step after it trained
 healthily (`confirm`): the weights an exploding update produced show only in the next step's loss, so
 `discard_after` moves the unconfirmed ones aside when the run diverges and rotation never deletes the newest
-confirmed one."""
+confirmed one.
+
+A checkpoint is data, not code: loading one runs nothing from it. DCP reads its .metadata with pickle.load and its
+non-tensor entries with torch.load(weights_only=False); here the .metadata goes through an unpickler that knows only
+the classes DCP's metadata is made of, and the entries through weights_only=True. Our own train state (step, data
+positions, divergence guard, the run's config) is JSON."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -26,6 +33,9 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -35,6 +45,7 @@ from dsv3.config import UserError
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"  # {"files": {name: {"size": bytes, "crc32": int}}}, written last inside step-N.tmp
 UNCONFIRMED = "unconfirmed"  # marker: the step after this checkpoint has not been seen healthy yet
+TRAIN_STATE = "train.json"  # the train_state `save` was given, written by rank 0
 _CHUNK = 16 << 20
 
 
@@ -89,30 +100,37 @@ def step_of(path: Path) -> int:
 
 
 @contextlib.contextmanager
-def _quiet_without_group() -> Iterator[None]:
-    """Without a process group DCP warns that it assumes a single process, even when told so (no_dist=True):
-    here that is the intent, so the warning is noise. With a group, nothing is filtered."""
+def _dcp_call() -> Iterator[None]:
+    """Around a dcp.save or dcp.load. DCP wraps a rank's error in CheckpointException, a BaseException that
+    `except Exception` misses and whose message is a traceback: the first failed rank's own error is raised instead
+    (a full disk stays an OSError, Ctrl-C a KeyboardInterrupt). Without a process group DCP warns that it assumes a
+    single process, even when told so: here that is the intent, so the warning is filtered."""
     with warnings.catch_warnings():
         if not dist.is_initialized():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
+        try:
+            yield
+        except CheckpointException as e:
+            error, _ = e.failures[min(e.failures)]  # (exception, its stack summary)
+            raise error from None
 
 
 def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
          train_state: dict[str, Any], keep: int, checksums: bool = True) -> Path:
-    """Model (expert biases included: they are buffers), optimizer, `train_state` (step, data-loader
-    position, ...) and every rank's RNG state as `run_dir/step-{step}`, with its manifest, unconfirmed;
-    keeps the newest `keep` (and the newest confirmed one)."""
+    """Model (expert biases included: they are buffers), optimizer, `train_state` (JSON: step, data-loader
+    position, ...; the same on every rank) and every rank's RNG state as `run_dir/step-{step}`, with its manifest,
+    unconfirmed; keeps the newest `keep` (and the newest confirmed one)."""
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step-{step}", run_dir / f"step-{step}.tmp"
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
-             "train": train_state}
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     try:
-        with _quiet_without_group():
+        with _dcp_call():
             dcp.save(state, checkpoint_id=str(tmp))
+        if _rank() == 0:
+            _write_json(tmp / TRAIN_STATE, train_state)
         with open(tmp / f"rng-{_rank()}.pt", "wb") as f:  # per rank: DCP keeps one copy of a plain tensor
             torch.save(_rng_state(), f)
             _sync(f)
@@ -130,7 +148,9 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
 
         _on_rank_0(f"renaming checkpoint {tmp} to {final}", publish)
     except Exception as e:
-        # DCP and torch.save may wrap the OS error in their own (torch.save: "enforce fail at inline_container")
+        if _rank() == 0:  # on a full disk, a half-written step-N.tmp would keep the resumed run from starting
+            shutil.rmtree(tmp, ignore_errors=True)
+        # torch.save may wrap the OS error in its own ("enforce fail at inline_container")
         disk_full = getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e)
         if disk_full or shutil.disk_usage(run_dir).free < _CHUNK:
             previous = [p.name for p in checkpoints(run_dir) if p != final]
@@ -232,8 +252,9 @@ def _gather(value: Any) -> list[Any]:
 
 
 def verify(path: Path, checksums: bool = True) -> str | None:
-    """What is wrong with checkpoint `path` (a missing, truncated or altered file), or None when its files match
-    its manifest: sizes always, crc32 too when `checksums`. Every rank checks a share of the files."""
+    """What is wrong with checkpoint `path` (a missing, truncated or altered file, a pickle that would run code), or
+    None when its files match its manifest (sizes always, crc32 too when `checksums`; every rank checks a share of
+    the files) and hold data only."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError) as e:
@@ -248,6 +269,8 @@ def verify(path: Path, checksums: bool = True) -> str | None:
             problems.append(f"{file} has {file.stat().st_size} bytes, the manifest says {expected['size']}")
         elif checksums and "crc32" in expected and _file_crc32(file) != expected["crc32"]:
             problems.append(f"{file} does not match its checksum (its bytes were altered)")
+    if _rank() == 0 and not problems and (code := _code_in(path)):  # the manifest can be rewritten with the files
+        problems.append(code)
     problems = sorted(p for share in _gather(problems) for p in share)
     return "; ".join(problems) or None
 
@@ -278,67 +301,95 @@ def resume_from(run_dir: str | Path, checksums: bool = True) -> Path:
                     f"restore one from a backup, or drop --resume to start a new run")
 
 
-def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-         train_state: dict[str, Any]) -> dict[str, Any]:
-    """Load a checkpoint into the (possibly differently sharded) model and optimizer; returns the saved
-    train_state (`train_state` gives its keys and types)."""
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
-             "train": train_state}
-    _load_train_and(state, path)
+def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load a checkpoint into the (possibly differently sharded) model and optimizer, and this rank's RNG state."""
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    try:
+        with _dcp_call():
+            dcp.load(state, storage_reader=_DataOnlyReader(str(path)), planner=_DataOnlyPlanner())
+    except RuntimeError as e:
+        missing = re.search(r"Missing key in checkpoint state_dict: (\S+?)\.?$", str(e), re.MULTILINE)
+        if missing is None:
+            raise
+        raise UserError(f"{path} holds no {missing.group(1)}: resume with the model and optimizer the run was "
+                        "saved with") from None
     hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
     for group, kept in zip(optimizer.param_groups, hyperparameters, strict=True):
         group.update(kept)  # this run's betas and weight decay, not the saved run's (its moments are the state)
     _restore_rng(Path(path))
-    return state["train"]
 
 
-def train_entries(path: str | Path) -> set[str]:
-    """The top-level train_state entries checkpoint `path` holds (one written before an entry existed lacks it)."""
-    return {key.split(".")[1] for key in _saved_train_keys(path)}
-
-
-def _saved_train_keys(path: str | Path) -> list[str]:
-    """The keys DCP saved the train_state under ("train.data.sources.web.seed", ...), from the metadata alone."""
-    return [key for key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-            if key.split(".")[0] == "train"]
-
-
-def load_train_state(path: str | Path, train_state: dict[str, Any]) -> dict[str, Any]:
-    """The saved train_state alone (`train_state` gives its keys and types): a few bytes, read before the model
-    is built, so that a run resumed with other data stops before the expensive load."""
-    state = {"train": train_state}
-    _load_train_and(state, path)
-    return state["train"]
-
-
-def _load_train_and(state: dict[str, Any], path: str | Path) -> None:
-    """dcp.load of `state` (its "train" entry and whatever else it holds), the saved train state checked whole."""
+def read_train_state(path: str | Path) -> dict[str, Any]:
+    """The train_state checkpoint `path` was saved with: a few bytes of JSON, read before the model is built."""
     try:
-        with _quiet_without_group():
-            dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # under a process group DCP re-raises a rank's error wrapped in its own
-        missing = re.search(r"Missing key in checkpoint state_dict: (\S+?)\.?$", str(e), re.MULTILINE)
-        if missing is None:
-            raise
-        raise UserError(f"{path} holds no {missing.group(1)}: resume with the model, optimizer and "
-                        "data.sources the run was saved with") from None
-    # DCP fills only the template's keys: of an entry the run asks for (e.g. "data"), saved state it has no place
-    # for (a source dropped from data.sources) would be skipped silently
-    expected = _flat_keys(state["train"], "train")
-    unplaced = sorted(key for key in _saved_train_keys(path) if key.split(".")[1] in state["train"]
-                      and key not in expected)
-    if unplaced:
-        raise UserError(f"{path} holds {', '.join(unplaced[:3])}, which this run has no place for: resume with the "
-                        "data.sources the run was saved with")
+        return json.loads((Path(path) / TRAIN_STATE).read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path} has no {TRAIN_STATE}: it was written by an older dsv3, which kept the train state "
+                        "inside DCP's pickled entries; finish that run with the dsv3 version that wrote it") from None
 
 
-def _flat_keys(state: Any, prefix: str) -> set[str]:
-    """The keys DCP stores a nested dict under: the path of each leaf, joined by dots."""
-    if not isinstance(state, dict):
-        return {prefix}
-    return set().union(*(_flat_keys(value, f"{prefix}.{key}") for key, value in state.items()))
+class _MetadataUnpickler(pickle.Unpickler):
+    """pickle.Unpickler for DCP's .metadata that resolves only what that metadata is made of: DCP's metadata
+    classes, torch.Size, dtypes and layouts, paths. Anything else (os.system, ...) is an UnpicklingError."""
+
+    _ALLOWED = {("torch", "Size"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                ("torch.serialization", "_get_layout"), ("torch._utils", "_get_layout"), ("pathlib", "PosixPath"),
+                ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                          torch.memory_format)):
+            return getattr(torch, name)
+        if module == "torch.distributed.checkpoint.metadata":
+            found = super().find_class(module, name)
+            if isinstance(found, type) and found.__module__ == module:  # its own classes, not what it imports
+                return found
+        raise pickle.UnpicklingError(f"{module}.{name} is no part of DCP's metadata")
+
+
+class _DataOnlyReader(dcp.FileSystemReader):
+    """DCP's file reader, its .metadata unpickled by _MetadataUnpickler instead of pickle.load."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _DataOnlyPlanner(DefaultLoadPlanner):
+    """DCP's load planner, its non-tensor entries (optimizer hyper-parameters) first read with weights_only=True:
+    bytes that load that way hold plain values only, so DCP's own torch.load of them runs nothing."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        torch.load(value, weights_only=True)
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def _code_in(path: Path) -> str | None:
+    """What in checkpoint `path` would run code when loaded (a planted pickle), or None."""
+    try:
+        metadata = _DataOnlyReader(str(path)).read_metadata()
+    except Exception as e:  # a damaged pickle fails in many ways
+        return f"{path / '.metadata'} is not plain DCP metadata ({type(e).__name__}: {e})"
+    for index, where in metadata.storage_data.items():
+        if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            try:
+                with open(path / where.relative_path, "rb") as f:
+                    f.seek(where.offset)
+                    torch.load(io.BytesIO(f.read(where.length)), weights_only=True)
+            except Exception:
+                return f"{path / where.relative_path} entry {index.fqn} is not plain data (loading it would run code)"
+    return None
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -353,7 +404,7 @@ def _restore_rng(path: Path) -> None:
     resume keeps the freshly seeded ones (one rank's stream has no counterpart at another world size)."""
     if {p.name for p in path.glob("rng-*.pt")} != {f"rng-{r}.pt" for r in range(_world())}:
         return
-    state = torch.load(path / f"rng-{_rank()}.pt")
+    state = torch.load(path / f"rng-{_rank()}.pt", weights_only=True)
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

@@ -90,6 +90,9 @@ class ModelConfig:
         for name in ("n_dense_layers", "n_shared_experts", "q_lora_rank", "n_mtp_layers"):
             if getattr(self, name) < 0:
                 problems.append(f"model.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("norm_eps", "init_std", "rope_theta", "route_scale"):
+            if not 0 < getattr(self, name) < math.inf:  # `not` also catches nan
+                problems.append(f"model.{name} must be > 0 and finite, got {getattr(self, name)}")
         if self.qk_rope_head_dim % 2:
             problems.append(f"model.qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
         problems += self._rope_problems()
@@ -368,6 +371,9 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
                             "e.g. configs/debug.toml") from None
         except tomllib.TOMLDecodeError as e:  # its message ends "(at line L, column C)"
             raise UserError(f"{path} is not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}): TOML "
+                            "files are UTF-8, save it as UTF-8") from None
         for section, body in doc.items():
             if not isinstance(body, dict):  # top-level keys: only `flavor`
                 _set(cfg, "", section, body)
@@ -436,6 +442,64 @@ def validate(cfg: Config) -> None:
     cfg.data.mixture()  # its entries parse
     if cfg.parallel.ep < 1:
         raise UserError(f"parallel.ep must be >= 1, got {cfg.parallel.ep}")
+
+
+# Resuming with another value of these would reinterpret saved state: AdamW's moments, the data positions.
+_RESUME_FIXED = ("train.optimizer_state_dtype", "train.seq_len")
+
+
+def resume_record(cfg: Config) -> dict[str, Any]:
+    """What a checkpoint records of its run's config (JSON), for `resume_changes` to compare a resumed run with."""
+    record = {section: dataclasses.asdict(getattr(cfg, section)) for section in ("train", "parallel", "checkpoint",
+                                                                                   "log")}
+    for key in ("resume", "dir"):  # how this run was started, not what it trains
+        del record["checkpoint"][key]
+    record["model"] = dataclasses.asdict(cfg.model_config())
+    record["sources"] = {name: [path, share] for name, path, share in cfg.data.mixture()}
+    return record
+
+
+def resume_changes(saved: dict[str, Any], cfg: Config) -> list[str]:
+    """The run saved in a checkpoint (`resume_record`) against this one, before anything is built: a difference
+    that would drop, reshape or reinterpret saved state (any model field but init_std, the data sources,
+    _RESUME_FIXED) is a UserError naming the key, the saved value and the fix; the safe ones come back, one line
+    each."""
+    now = resume_record(cfg)
+
+    def refuse(key: str, was: Any, fix: str) -> UserError:
+        return UserError(f"--resume: the checkpoint was saved with {key}={was}, this run has {_flat(now, key)}: "
+                         f"{fix}, or start a new run in another --checkpoint.dir")
+
+    for key, was in saved["model"].items():
+        if key != "init_std" and now["model"].get(key) != was:  # init_std is moot: the weights are loaded
+            raise refuse(f"model.{key}", was, f"resume with --model.{key}={json.dumps(was).strip(chr(34))}")
+    for key in _RESUME_FIXED:
+        if _flat(saved, key) != _flat(now, key):
+            raise refuse(key, _flat(saved, key), f"resume with --{key}={_flat(saved, key)}")
+    saved_paths, paths = ({name: path for name, (path, _) in record["sources"].items()} for record in (saved, now))
+    if saved_paths != paths:
+        raise UserError(f"--resume: the checkpoint read the data sources {saved_paths}, this run has {paths}: resume "
+                        "with the same data.path or data.sources (their weights may change), or start a new run in "
+                        "another --checkpoint.dir")
+    changes = []
+    weights = [f"{name} {share:.3g} → {now['sources'][name][1]:.3g}" for name, (_, share) in saved["sources"].items()
+               if not math.isclose(share, now["sources"][name][1])]
+    if weights:
+        changes.append("mixture weights changed: " + ", ".join(weights))
+    for section in ("train", "parallel", "checkpoint", "log"):
+        for key, was in saved[section].items():
+            value = now[section].get(key)
+            if value != was and f"{section}.{key}" != "train.steps":
+                changes.append(f"{section}.{key} changed: {was} → {value}")
+    if saved["train"]["steps"] != cfg.train.steps:
+        changes.append(f"train.steps {saved['train']['steps']} → {cfg.train.steps}: lr schedule recomputed"
+                       + (", export will be replaced" if cfg.checkpoint.export else ""))
+    return changes
+
+
+def _flat(record: dict[str, Any], key: str) -> Any:
+    section, name = key.split(".")
+    return record[section][name]
 
 
 def field_help(cls: type) -> dict[str, str]:

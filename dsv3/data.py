@@ -48,6 +48,31 @@ def check_sources(mixture: list[tuple[str, str, float]], model_vocab_size: int, 
                             "the data")
 
 
+def _check_shards(split_dir: Path, index: dict) -> None:
+    """Every shard holds the tokens index.json says: a truncated or swapped shard, or an index that lies, stops here
+    naming the file (as a numpy error later, or a silently shorter stream)."""
+    itemsize = np.dtype(index["dtype"]).itemsize
+    for shard in index["shards"]:
+        file = split_dir / shard["file"]
+        size = file.stat().st_size if file.is_file() else None
+        if size != shard["tokens"] * itemsize:
+            found = "is missing" if size is None else f"has {size} bytes"
+            raise UserError(f"{file} {found}, but {split_dir / 'index.json'} says {shard['tokens']} {index['dtype']} "
+                            f"tokens ({shard['tokens'] * itemsize} bytes): re-run scripts/prepare_data.py for "
+                            f"{split_dir.parent}")
+
+
+def check_first_batch(loader: "MixtureLoader", global_batch: int, vocab_size: int) -> None:
+    """Each source's next `global_batch` sequences hold ids below model.vocab_size: shards of another tokenizer
+    than their index.json names stop here, not as an embedding IndexError naming no file."""
+    for name, source in loader.loaders.items():
+        first = source.sequences_consumed
+        largest = int(source.rows(np.arange(first, first + global_batch)).max())
+        if largest >= vocab_size:
+            raise UserError(f"data source {name} ({loader.paths[name]}) holds token id {largest}, but model.vocab_size "
+                            f"is {vocab_size}: its shards do not match its index.json; re-run scripts/prepare_data.py")
+
+
 _FEISTEL_ROUNDS = 6
 
 
@@ -114,6 +139,7 @@ class PackedLoader:
         self.seed, self.shuffle = seed, shuffle
         self.vocab_size: int = index["vocab_size"]
         self.eos_id: int = index["eos_id"]
+        _check_shards(split_dir, index)
         # memmap only: shards can be far larger than RAM.
         self.shards = [
             np.memmap(split_dir / s["file"], dtype=index["dtype"], mode="r", shape=(s["tokens"],))
@@ -267,4 +293,9 @@ def describe_mixture(loader: MixtureLoader, run_sequences: int) -> str:
 
 def data_tokenizer(mixture: list[tuple[str, str, float]]) -> Tokenizer | None:
     """The tokenizer the data was prepared with (saved in the dataset by scripts/prepare_data.py), if any."""
-    return find_tokenizer(Path(mixture[0][1]) / "tokenizer")
+    directory = Path(mixture[0][1]) / "tokenizer"
+    try:
+        return find_tokenizer(directory)
+    except UserError as e:
+        raise UserError(f"the dataset's tokenizer in {directory} does not open ({e}); restore it, or re-run "
+                        "scripts/prepare_data.py for the dataset") from None

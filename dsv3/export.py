@@ -20,7 +20,7 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import (consolidat
                                                                        consolidate_safetensors_files_on_every_rank)
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from dsv3.checkpoint import _barrier, _quiet_without_group, _rank
+from dsv3.checkpoint import _barrier, _dcp_call, _rank
 from dsv3.config import ModelConfig, UserError
 from dsv3.hf import load_config_json, model_shapes, save_config
 from dsv3.tokenizer import Tokenizer
@@ -79,7 +79,7 @@ def load_weights(path: str | Path, model: nn.Module) -> None:
         raise UserError(f"checkpoint.init_from={path} does not fit this model: missing {missing[:10]} "
                         f"({len(missing)}), unexpected {unexpected[:10]} ({len(unexpected)}); check the flavor "
                         f"and [model] overrides against its config.json")
-    with _quiet_without_group():
+    with _dcp_call():
         dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
     set_model_state_dict(model, state)
 
@@ -99,7 +99,7 @@ def export(out_dir: str | Path, model: nn.Module, cfg: ModelConfig, tokenizer: T
     state = get_model_state_dict(model)
     file_of = _file_per_block(state)
     writer = dcp.HuggingFaceStorageWriter(str(tmp / "sharded"), fqn_to_index_mapping=file_of, save_distributed=True)
-    with _quiet_without_group():
+    with _dcp_call():
         dcp.save(state, storage_writer=writer)
     if dist.is_initialized():
         consolidate_safetensors_files_on_every_rank(str(tmp / "sharded"), str(tmp), file_of)

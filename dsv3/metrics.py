@@ -12,6 +12,7 @@ import json
 import math
 import netrc
 import os
+import sys
 import time
 from types import ModuleType
 from urllib.parse import urlparse
@@ -252,14 +253,25 @@ def _console_line(step: int, m: dict[str, float], total_steps: int | None, eta_s
 
 
 def _rewind(path: str, start_step: int) -> float:
-    """Drop the rows of a jsonl log after `start_step` (atomically); returns the last kept row's elapsed_s."""
+    """Drop the rows of a jsonl log after `start_step` (atomically), and rows that are no JSON row of a step (one
+    warning: a log must not stop a resume); returns the last kept row's elapsed_s."""
     if not os.path.exists(path):
         return 0.0
-    with open(path) as f:
+    with open(path, errors="replace") as f:
         lines = [line for line in f if line.strip()]
     if lines and not lines[-1].endswith("\n"):  # a row cut short by a kill mid-write: none of it is kept
         lines.pop()
-    kept = [line for line in lines if json.loads(line)["step"] <= start_step]
+    kept, bad = [], 0
+    for line in lines:
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, TypeError, KeyError):
+            bad += 1
+            continue
+        if step <= start_step:
+            kept.append(line)
+    if bad:
+        print(f"warning: {path}: skipped {bad} unreadable line(s)", file=sys.stderr, flush=True)
     with open(path + ".tmp", "w") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)

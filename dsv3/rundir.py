@@ -66,6 +66,15 @@ def estimated_bytes(n_params: int, optimizer_state_dtype: str) -> int:
     return n_params * (4 + 2 * (2 if optimizer_state_dtype == "bf16" else 4))
 
 
+def _size(n: float) -> str:
+    """Bytes in the largest binary unit that leaves at least 1 (0.04 GiB printed as 0.0 GiB read as none)."""
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} TiB"
+
+
 def check_free_space(run_dir: str | Path, checkpoint_bytes: int) -> None:
     """Refuse to start, on every rank, when `run_dir` is not writable from some rank or cannot hold one more
     checkpoint."""
@@ -81,8 +90,8 @@ def check_free_space(run_dir: str | Path, checkpoint_bytes: int) -> None:
     else:
         free = shutil.disk_usage(run_dir).free
         if free < checkpoint_bytes:
-            problem = (f"checkpoint.dir={run_dir} has {free / 2**30:.1f} GiB free but one checkpoint needs about "
-                       f"{checkpoint_bytes / 2**30:.1f} GiB: free space, or choose another --checkpoint.dir")
+            problem = (f"checkpoint.dir={run_dir} has {_size(free)} free but one checkpoint needs about "
+                       f"{_size(checkpoint_bytes)}: free space, or choose another --checkpoint.dir")
     if dist.is_initialized():  # a rank that stopped alone would leave the others in their first collective
         problems: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(problems, problem)

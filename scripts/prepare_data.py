@@ -11,7 +11,8 @@ Work is split into units (dsv3.corpus: a file, a --chunk-mb byte range of a plai
 parquet file) that --workers processes tokenize into OUT.partial/units/; the dataset is then assembled from
 them in corpus order, byte-identical for any number of workers. A killed run re-run with the same arguments
 reuses the finished units. OUT is swapped in only when complete: a failed run leaves an existing dataset as
-it was. Text is read as UTF-8 (or --encoding); binary files are refused.
+it was. One run at a time prepares an OUT: it holds an OS lock on OUT.lock (pid and host inside) until it ends.
+Text is read as UTF-8 (or --encoding); binary files are refused.
 
 Memory does not grow with the corpus: a worker holds one batch of documents (BATCH_DOCS, or BATCH_CHARS of
 text, and their ids) and its read buffers; the assembly one unit's document lengths. A .txt file is one
@@ -20,17 +21,19 @@ document and is held whole by the worker that tokenizes it.
 
 import argparse
 import contextlib
+import fcntl
 import hashlib
 import json
 import multiprocessing
 import multiprocessing.pool
 import os
 import shutil
+import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 import numpy as np
 from tqdm import tqdm
@@ -97,18 +100,54 @@ def prepare(
     options = ReadOptions(text_key, column, encoding)
     units = corpus_units(inputs, chunk_bytes, options)
     staging = out.with_name(f"{out.name}.partial")
-    unit_files = tokenize_units(units, staging, tokenizer, dtype, options, workers, progress)
-    dataset = staging / "dataset"
-    shutil.rmtree(dataset, ignore_errors=True)  # an assembly that a killed run left half done
-    indexes = assemble(unit_files, dataset, tokenizer, dtype, val_fraction, shard_tokens, inputs)
-    tokenizer.save(dataset / "tokenizer")
-    swap_in(dataset, out)
+    with lock_out(out), named_on_failure(staging):
+        unit_files = tokenize_units(units, staging, tokenizer, dtype, options, workers, progress)
+        dataset = staging / "dataset"
+        shutil.rmtree(dataset, ignore_errors=True)  # an assembly that a killed run left half done
+        indexes = assemble(unit_files, dataset, tokenizer, dtype, val_fraction, shard_tokens, inputs)
+        tokenizer.save(dataset / "tokenizer")
+        swap_in(dataset, out)
     # renamed first: a kill inside rmtree must not leave an OUT.partial without its manifest, which blocks reruns
     done = staging.with_name(f"{staging.name}.done")
     shutil.rmtree(done, ignore_errors=True)  # what a run killed in this removal left
     staging.rename(done)
     shutil.rmtree(done)
     return indexes
+
+
+def lock_out(out: Path) -> IO:
+    """An OS lock on OUT.lock (beside OUT, which is swapped in by renames), held until the returned file closes or
+    the process dies: a second run on the same --out is refused with the holder's pid and host."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(out.with_name(f"{out.name}.lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().split() or ["?", "?"]
+        lock.close()
+        raise UserError(f"--out {out} is being prepared by another run (pid {holder[0]} on host {holder[-1]}): wait "
+                        "for it to end, or choose another --out") from None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()} {socket.gethostname()}\n")
+    lock.flush()
+    return lock
+
+
+@contextlib.contextmanager
+def named_on_failure(staging: Path) -> Iterator[None]:
+    """A failure says where the finished work waits: in the UserError's line, else in a note before the error."""
+    kept = f"{staging}/ keeps the units tokenized so far: re-running the same command continues from it"
+    try:
+        yield
+    except UserError as e:
+        if not staging.is_dir():
+            raise
+        raise UserError(f"{e} ({kept})") from None
+    except BaseException:
+        if staging.is_dir():
+            print(f"note: {kept}", file=sys.stderr, flush=True)
+        raise
 
 
 # ---- tokenizing units: OUT.partial/units/<key>.bin (tokens) + <key>.docs (int64 document lengths) ----

@@ -4,8 +4,10 @@ come back at the same world size. Then the run directory's safeguards: manifests
 confirmation-aware rotation, a full disk, and the one-run-per-directory lock."""
 
 import errno
+import io
 import json
 import os
+import pickle
 import shutil
 import socket
 import subprocess
@@ -21,6 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 import train
 from dsv3 import checkpoint, optim, rundir
@@ -96,14 +100,14 @@ def test_resume_restores_the_rng_stream_at_the_same_world_size(tmp_path, device)
     expected = torch.rand(5, device=device)
 
     torch.manual_seed(4)  # a restarted process seeds afresh, then resumes
-    checkpoint.load(saved, model, optimizer, {"step": 0})
+    checkpoint.load(saved, model, optimizer)
     assert torch.equal(torch.rand(5, device=device), expected)
 
     shutil.copy(saved / "rng-0.pt", saved / "rng-1.pt")  # as if written by 2 ranks: a resharded resume
     torch.manual_seed(4)
     fresh = torch.rand(5, device=device)
     torch.manual_seed(4)
-    checkpoint.load(saved, model, optimizer, {"step": 0})
+    checkpoint.load(saved, model, optimizer)
     assert torch.equal(torch.rand(5, device=device), fresh)  # the fresh stream is kept
 
 
@@ -117,8 +121,8 @@ def test_resume_keeps_its_own_betas_and_weight_decay_and_the_saved_moments(tmp_p
     moments = optimizer.state[model.weight]["exp_avg_sq"].clone()
     model.zero_grad(set_to_none=True)  # as a restarted process has none
     resumed = torch.optim.AdamW(model.parameters(), betas=(0.9, 0.5), weight_decay=0.0)
-    assert checkpoint.train_entries(saved) == {"step"}  # what a resumed run may ask of it
-    checkpoint.load(saved, model, resumed, {"step": 0})
+    assert checkpoint.read_train_state(saved) == {"step": 1}
+    checkpoint.load(saved, model, resumed)
     assert (resumed.param_groups[0]["betas"], resumed.param_groups[0]["weight_decay"]) == ((0.9, 0.5), 0.0)
     assert torch.equal(resumed.state[model.weight]["exp_avg_sq"], moments)
 
@@ -140,8 +144,8 @@ def test_export_written_by_two_ranks_holds_the_full_model(tmp_path):
     assert {oct(p.stat().st_mode & 0o777) for p in export.iterdir()} == {oct(0o666 & ~umask)}
 
     trained = Transformer(cfg)
-    checkpoint.load(tmp_path / "step-2", trained, train.build_optimizer(trained, TrainConfig(), torch.device("cpu")),
-                    {"step": 0})
+    checkpoint.load(tmp_path / "step-2", trained,
+                    train.build_optimizer(trained, TrainConfig(), torch.device("cpu")))
     exported = Transformer(cfg)
     exported.load_state_dict(load_export(export), strict=True)  # full shapes, every name
     imported = Transformer(cfg)
@@ -215,6 +219,54 @@ def test_overwritten_bytes_are_caught_by_the_checksum_unless_it_is_switched_off(
         checkpoint.resume_from(tmp_path)
 
 
+class _Payload:
+    """What an attacker plants in a checkpoint: unpickling it runs a shell command (here one that leaves a file)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _reseal(path: Path) -> None:
+    """Rewrite the manifest to match the files, as whoever can write the checkpoint can."""
+    files = {p.name: {"size": p.stat().st_size, "crc32": zlib.crc32(p.read_bytes())} for p in path.iterdir()
+             if p.name not in (checkpoint.MANIFEST, checkpoint.UNCONFIRMED)}
+    (path / checkpoint.MANIFEST).write_text(json.dumps({"files": files}))
+
+
+@pytest.mark.parametrize("planted_in", [".metadata", "distcp-entry"])
+def test_a_checkpoint_carrying_code_is_refused_without_running_it_and_resume_falls_back(tmp_path, capsys,
+                                                                                        planted_in):
+    _save_linear(tmp_path, 1)
+    saved, marker = _save_linear(tmp_path, 2), tmp_path / "payload-ran"
+    metadata = pickle.loads((saved / ".metadata").read_bytes())
+    if planted_in == ".metadata":
+        metadata.planner_data = _Payload(marker)
+    else:  # one non-tensor entry (an optimizer hyper-parameter) replaced by a pickle that runs code
+        index = next(i for i in metadata.storage_data
+                     if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata))
+        where = metadata.storage_data[index]
+        payload = io.BytesIO()
+        torch.save(_Payload(marker), payload)
+        with open(saved / where.relative_path, "ab") as shard:
+            offset = shard.tell()
+            shard.write(payload.getvalue())
+        metadata.storage_data[index] = replace(where, offset=offset, length=len(payload.getvalue()))
+    (saved / ".metadata").write_bytes(pickle.dumps(metadata))
+    _reseal(saved)
+
+    assert checkpoint.resume_from(tmp_path) == tmp_path / "step-1"
+    warning = capsys.readouterr().err.splitlines()
+    assert len(warning) == 1 and warning[0].startswith(f"warning: checkpoint {saved} is damaged: {saved}/")
+    assert "not plain" in warning[0]
+    model = torch.nn.Linear(64, 64)
+    with pytest.raises(Exception, match="posix.system"):  # loaded directly, it is refused too
+        checkpoint.load(tmp_path / "step-2.corrupt", model, torch.optim.AdamW(model.parameters()))
+    assert not marker.exists()
+
+
 @pytest.mark.parametrize("holds,message", [(None, "does not exist"), ([], "is empty"),
                                            (["metrics.jsonl", "step-2.tmp"], "holds metrics.jsonl, step-2.tmp")])
 def test_resume_without_a_complete_checkpoint_names_the_directory_and_what_it_holds(tmp_path, holds, message):
@@ -239,24 +291,36 @@ def test_rotation_never_deletes_the_newest_confirmed_checkpoint(tmp_path):
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-2"]
 
 
-def test_a_full_disk_during_a_save_names_the_path_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
-    _save_linear(tmp_path, 1)
+class _DiskFillsUp(FileSystemWriter):
+    """A storage writer whose disk fills up as DCP writes the shards: DCP wraps the OS error in a CheckpointException,
+    a BaseException that `except Exception` misses."""
 
-    def full_disk(state, checkpoint_id):
+    def write_data(self, plan, planner):
+        super().write_data(plan, planner)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(checkpoint.dcp, "save", full_disk)
+
+def test_a_full_disk_during_a_save_names_the_path_removes_the_half_save_and_keeps_the_last_checkpoint(tmp_path,
+                                                                                                    monkeypatch):
+    _save_linear(tmp_path, 1)
+    real_save = checkpoint.dcp.save
+    monkeypatch.setattr(checkpoint.dcp, "save", lambda state, checkpoint_id: real_save(
+        state, storage_writer=_DiskFillsUp(checkpoint_id)))
     with pytest.raises(OSError, match=rf"No space left on device while writing checkpoint {tmp_path / 'step-2.tmp'}"
                                       r".*the last complete checkpoint, step-1, is untouched"):
         _save_linear(tmp_path, 2)
     monkeypatch.undo()
+    assert not (tmp_path / "step-2.tmp").exists()  # its space is free again for the resumed run
     assert checkpoint.resume_from(tmp_path) == tmp_path / "step-1"
 
 
-def test_a_run_directory_without_room_for_one_checkpoint_is_refused(tmp_path):
-    with pytest.raises(UserError, match="has .* GiB free but one checkpoint needs about"):
+def test_a_run_directory_without_room_for_one_checkpoint_is_refused(tmp_path, monkeypatch):
+    with pytest.raises(UserError, match="has .* free but one checkpoint needs about 1.05e\\+06 TiB"):
         rundir.check_free_space(tmp_path, 1 << 60)
     rundir.check_free_space(tmp_path, 1 << 10)
+    monkeypatch.setattr(rundir.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 40, 1 << 40, 50 << 20))
+    with pytest.raises(UserError, match="has 50 MiB free but one checkpoint needs about 600 MiB: free space"):
+        rundir.check_free_space(tmp_path, 600 << 20)  # under 0.1 GiB: once "0.0 GiB free but ... about 0.6 GiB"
 
 
 def _check_space_where_rank_1_cannot_write(rank: int, world: int, port: int, run_dir: Path, results: Path) -> None:
@@ -371,7 +435,7 @@ def test_a_run_with_compute_copies_checkpoints_fp32_weights_and_resumes_exactly(
     fresh, fresh_optimizer, _ = _with_compute_copies(seed=1)
     with fresh.compute_copies.active():
         fresh(batches[0][:, :-1])  # its copies now hold its own init
-    checkpoint.load(saved, fresh, fresh_optimizer, {"step": 0})
+    checkpoint.load(saved, fresh, fresh_optimizer)
     assert {v.dtype for v in fresh.state_dict().values() if v.is_floating_point()} == {torch.float32}
     got = [train.train_step(fresh, fresh_optimizer, batches[step - 1], t, step)[0] for step in (3, 4)]
     assert torch.equal(torch.stack(got), torch.stack(expected))

@@ -229,6 +229,21 @@ def test_invalid_model_override_is_caught_when_loading():
         load_config(None, ["--train.seq_len=4096"])  # longer than the debug model's max_seq_len
 
 
+@pytest.mark.parametrize("override", ["--model.norm_eps=nan", "--model.init_std=-1", "--model.rope_theta=-5",
+                                      "--model.route_scale=inf"])
+def test_a_non_positive_or_non_finite_model_scale_is_refused_when_loading(override):
+    key, value = override[2:].split("=")
+    with pytest.raises(UserError, match=rf"^invalid model config: {key} must be > 0 and finite, got {value}"):
+        load_config(None, [override])
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line_naming_it(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('flavor = "debug"\n# café\n'.encode("latin-1"))
+    with pytest.raises(UserError, match=rf"^{path} is not UTF-8 text \(byte 22 is b'\\xe9'\): TOML files are UTF-8"):
+        load_config(str(path))
+
+
 def test_a_sequence_past_the_rope_tables_names_both_ways_to_reach_it():
     """The error once said only "raise max_seq_len", and doing so switched YaRN on (16B: softmax scale × 1.87,
     lowest RoPE frequency ÷ 40) without a word."""

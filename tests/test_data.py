@@ -10,7 +10,7 @@ import torch
 
 import scripts.prepare_data as prepare_data
 from dsv3.config import UserError
-from dsv3.data import PackedLoader, shuffled_index
+from dsv3.data import MixtureLoader, PackedLoader, check_first_batch, shuffled_index
 from dsv3.tokenizer import Tokenizer
 from scripts.prepare_data import prepare
 
@@ -195,6 +195,37 @@ def test_missing_jsonl_key_or_parquet_column_is_a_clear_error(tmp_path):
         prepare([str(parquet)], TOKENIZER, str(tmp_path / "out"), progress=False)
 
 
+@pytest.mark.parametrize("damage,found", [("truncate", r"has \d+ bytes"), ("index-claims-fewer", r"has \d+ bytes"),
+                                          ("delete", "is missing")])
+def test_a_shard_that_does_not_match_its_index_is_one_line_naming_the_file(tmp_path, damage, found):
+    out = prepared(tmp_path)
+    shard, index_path = out / "train" / "shard_00000.bin", out / "train" / "index.json"
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-7])
+    elif damage == "index-claims-fewer":
+        index = json.loads(index_path.read_text())
+        index["shards"][0]["tokens"] -= 10
+        index_path.write_text(json.dumps(index))
+    else:
+        shard.unlink()
+    with pytest.raises(UserError, match=rf"^{shard} {found}, but {index_path} says \d+ uint16 tokens"):
+        PackedLoader(str(out), "train", seq_len=16)
+
+
+def test_ids_beyond_the_models_vocabulary_are_one_line_naming_the_source(tmp_path):
+    out = prepared(tmp_path)
+    shard = out / "train" / "shard_00000.bin"
+    tokens = np.fromfile(shard, dtype=np.uint16)
+    tokens[:] = 5000  # another tokenizer's ids, in a shard of the right size
+    tokens.tofile(shard)
+    loader = MixtureLoader([("tokens", str(out), 1.0)], "train", seq_len=16)
+    check_first_batch(loader, 4, vocab_size=8000)
+    with pytest.raises(UserError, match=rf"^data source tokens \({out}\) holds token id 5000, but model.vocab_size "
+                                        r"is 4096: its shards do not match its index.json"):
+        check_first_batch(loader, 4, vocab_size=4096)
+    assert loader.sequences_consumed == 0  # checked, not consumed
+
+
 def test_uint16_shards_refuse_a_vocab_over_65535(tmp_path, monkeypatch):
     class BigTokenizer(Tokenizer):
         def __init__(self, path):
@@ -244,8 +275,8 @@ def test_failed_rerun_leaves_the_previous_dataset_intact(tmp_path, monkeypatch):
         prepare([str(many)], TOKENIZER, str(out), shard_tokens=100, progress=False)
     after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert after == before
-    # nothing left behind but the finished units, kept for a re-run
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["many", "tokens", "tokens.partial", "txt"]
+    # nothing left behind but the finished units, kept for a re-run, and the lock file (no longer held)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many", "tokens", "tokens.lock", "tokens.partial", "txt"]
 
 
 def test_rerun_replaces_the_dataset_and_drops_its_extra_shards(tmp_path):

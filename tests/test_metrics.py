@@ -145,6 +145,16 @@ def test_a_resumed_run_rewinds_metrics_jsonl_and_continues_its_elapsed_time(tmp_
     assert 200 <= rows[-1]["elapsed_s"] < 260
 
 
+def test_a_resume_skips_bad_metrics_lines_with_one_warning(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": 1.0}\nnot json\n\xff\xfe garbage\n[1, 2]\n'
+                                             b'{"loss": 2.0}\n{"step": 2, "loss": 1.0}\n{"step": 3, "loss": 1.0}\n')
+    logger = MetricsLogger(str(tmp_path), {}, total_steps=10, start_step=2)
+    logger.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert capsys.readouterr().err == f"warning: {tmp_path / 'metrics.jsonl'}: skipped 4 unreadable line(s)\n"
+
+
 def test_eta_uses_the_average_rate_since_the_first_log_call(tmp_path, capsys, monkeypatch):
     clock = iter([0.0, 0.0, 10.0, 11.0, 100.0])  # the logger's start, then steps 10, 20, 30 and 40
     monkeypatch.setattr(time, "perf_counter", lambda: next(clock))

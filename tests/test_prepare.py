@@ -1,5 +1,6 @@
 """scripts/prepare_data.py at scale: compressed inputs, worker processes, resumable staging, small corpora."""
 
+import fcntl
 import gzip
 import hashlib
 import json
@@ -179,7 +180,7 @@ def test_a_kill_while_the_staging_directory_is_removed_does_not_block_the_next_r
     monkeypatch.undo()
     prepare([str(corpus)], out_dir=str(tmp_path / "out"), **settings)  # no "not a staging directory" refusal
     assert dataset_files(tmp_path / "out")
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("out")) == ["out"]  # nothing left over
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("out")) == ["out", "out.lock"]
 
 
 def test_sigkilled_workers_leave_units_a_rerun_finishes_identically(tmp_path, monkeypatch):
@@ -326,6 +327,30 @@ def test_an_input_error_prints_on_its_own_line_after_the_progress_bar(tmp_path):
     assert result.returncode == 2
     assert "tokenizing" in result.stderr
     assert result.stderr.splitlines()[-1].startswith(f"error: {tmp_path / 'docs.jsonl'}:61: not valid JSON")
+
+
+def test_a_second_run_on_the_same_out_is_refused_with_the_holders_pid_and_host(tmp_path):
+    (tmp_path / "docs.jsonl").write_bytes(jsonl_bytes(DOCS))
+    with open(tmp_path / "out.lock", "w") as running:  # as a run in another process holds it
+        running.write("4242 cpu-node-3\n")
+        running.flush()
+        fcntl.flock(running, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(UserError, match=rf"^--out {tmp_path / 'out'} is being prepared by another run "
+                                            r"\(pid 4242 on host cpu-node-3\): wait for it to end"):
+            prepare([str(tmp_path / "docs.jsonl")], TOKENIZER, str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+    prepare([str(tmp_path / "docs.jsonl")], TOKENIZER, str(tmp_path / "out"), progress=False)  # released: it runs
+    assert (tmp_path / "out" / "val" / "index.json").is_file()
+
+
+def test_a_failed_run_names_its_partial_directory_and_that_a_rerun_continues_from_it(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(jsonl_bytes(DOCS))
+    (tmp_path / "b.jsonl").write_bytes(b"not json\n")
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match=rf"not valid JSON.* \({out}.partial/ keeps the units tokenized so far: "
+                                        r"re-running the same command continues from it\)$"):
+        prepare([str(tmp_path)], TOKENIZER, str(out), progress=False)
+    assert len(list((tmp_path / "out.partial" / "units").glob("*.docs"))) == 1  # a.jsonl's
 
 
 def test_stdlib_units_hold_the_bundled_corpus_as_one_pass_read_it():

@@ -113,9 +113,8 @@ def test_export_loads_into_a_fresh_model_and_matches_the_last_checkpoint(learned
     last = checkpoint.checkpoints(learned)[-1]
     assert last.name == f"step-{LEARN_STEPS}"
     trained = Transformer(cfg)
-    state = checkpoint.load(last, trained, train.build_optimizer(trained, TrainConfig(), torch.device("cpu")),
-                            {"step": 0})
-    assert state["step"] == LEARN_STEPS
+    checkpoint.load(last, trained, train.build_optimizer(trained, TrainConfig(), torch.device("cpu")))
+    assert checkpoint.read_train_state(last)["step"] == LEARN_STEPS
 
     trained_state = trained.state_dict()
     for name, value in exported.state_dict().items():
@@ -234,9 +233,9 @@ def test_crash_mid_save_keeps_previous_checkpoint(data, tmp_path, monkeypatch, f
     monkeypatch.undo()
     before_crash = read_metrics(tmp_path)  # steps 1-4 were logged before step 4's save
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-2"]
-    assert (tmp_path / "step-4.tmp").is_dir()
+    assert not (tmp_path / "step-4.tmp").exists()  # on a full disk its space is needed by the resumed run
 
-    after = run(tmp_path, *args, "--resume")  # from step-2: redoes steps 3-4 and clears the stale .tmp
+    after = run(tmp_path, *args, "--resume")  # from step-2: redoes steps 3-4
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-2", "step-4"]
     assert not (tmp_path / "step-4.tmp").exists()
     for step in (3, 4):
@@ -265,6 +264,14 @@ def test_nan_loss_stops_the_run_and_leaves_only_checkpoints_from_before_it(data,
     assert all(math.isfinite(resumed[step]["loss"]) for step in range(3, 7))
 
 
+def test_a_divergence_before_any_checkpoint_says_to_start_again(data, tmp_path, monkeypatch):
+    stop_at(monkeypatch, 2, lambda model: model.embed.weight.data.fill_(float("nan")))
+    with pytest.raises(FloatingPointError, match=r"^loss is nan at step 2; .*, no checkpoint from before it is "
+                                                 r"left: start the run again without --resume, e.g. with a lower "
+                                                 r"--train.lr$"):
+        run(tmp_path, *TINY, "--train.steps=3", "--checkpoint.every=100")
+
+
 def test_an_exploding_update_is_caught_before_its_weights_become_the_checkpoint_to_resume(data, tmp_path,
                                                                                           monkeypatch):
     """Step 6's update explodes the weights (finite, but huge) and step-6 is saved with them; only step 7's loss
@@ -286,7 +293,7 @@ def test_an_exploding_update_is_caught_before_its_weights_become_the_checkpoint_
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-4"]  # keep=1 kept the confirmed one
     exploded = Transformer(dataclasses.replace(FLAVORS["debug"], n_layers=2))
     checkpoint.load(tmp_path / "step-6.diverged", exploded, train.build_optimizer(exploded, TrainConfig(),
-                                                                                   torch.device("cpu")), {"step": 0})
+                                                                                   torch.device("cpu")))
     assert exploded.embed.weight.abs().max() > 10  # finite but exploded: what the old guard saved
 
     resumed = run(tmp_path, *args, "--resume")
@@ -324,6 +331,55 @@ def test_a_resumed_run_judges_its_first_steps_against_the_saved_running_means(da
     with pytest.raises(FloatingPointError, match="spiked to .* at step 8"):  # step 7's update at lr 30
         run(tmp_path, *TINY, "--train.steps=8", "--checkpoint.every=6", "--train.loss_spike_factor=3",
             "--train.lr=30", "--train.warmup_steps=0", "--resume")
+
+
+@pytest.fixture(scope="module")
+def two_sources(data, tmp_path_factory) -> tuple[Path, list[str]]:
+    """A finished 1-step run of TINY (2 layers, bf16 moments) on a mixture: the bundled corpus 0.7, a second name
+    for it 0.3."""
+    root = tmp_path_factory.mktemp("two_sources")
+    (root / "other").symlink_to(DATA)
+    sources = f"--data.sources={DATA}:0.7,{root / 'other'}:0.3"
+    train.main(["--config", CONFIG, sources, f"--checkpoint.dir={root / 'run'}", *TINY, "--train.steps=1",
+                "--checkpoint.every=1", "--checkpoint.export=true"])
+    return root / "run", [f"--data.sources={DATA}:0.5,{root / 'other'}:0.5", *TINY[:-1], "--train.steps=1",
+                          "--checkpoint.every=1", "--checkpoint.export=true"]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--model.n_layers=1", "saved with model.n_layers=2, this run has 1: resume with --model.n_layers=2"),
+    ("--model.n_layers=3", "saved with model.n_layers=2, this run has 3: resume with --model.n_layers=2"),
+    ("--model.inter_dim=256", "saved with model.inter_dim=320, this run has 256: resume with --model.inter_dim=320"),
+    ("--model.score_func=softmax", "saved with model.score_func=sigmoid, this run has softmax: resume with "
+                                   "--model.score_func=sigmoid"),
+    ("--train.optimizer_state_dtype=fp32", "saved with train.optimizer_state_dtype=bf16, this run has fp32: resume "
+                                           "with --train.optimizer_state_dtype=bf16"),
+    ("--data.sources={DATA}:1", r"the checkpoint read the data sources \{'stdlib': .*'other': .*\}, this run has "
+                                r"\{'stdlib': .*\}: resume with the same data.path or data.sources"),
+], ids=["fewer-layers", "more-layers", "dim", "reinterpreted", "optimizer-state", "sources"])
+def test_a_resume_that_would_drop_reshape_or_reinterpret_saved_state_is_one_line_before_building(
+        two_sources, monkeypatch, override, message):
+    run_dir, args = two_sources
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != "lock"}
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    refusal = f"^--resume: (the checkpoint was )?{message}.*start a new run in another --checkpoint.dir$"
+    with pytest.raises(UserError, match=refusal):
+        train.main(["--config", CONFIG, f"--checkpoint.dir={run_dir}", *args, override.format(DATA=DATA),
+                    "--train.steps=2", "--resume"])
+    after = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != "lock"}
+    assert after == before  # checkpoints, metrics and export untouched
+
+
+def test_a_resume_names_each_safe_change_at_start_up(two_sources, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_sources[0], run_dir, symlinks=True)
+    capsys.readouterr()
+    train.main(["--config", CONFIG, f"--checkpoint.dir={run_dir}", *two_sources[1], "--train.steps=2",
+                "--train.lr=1e-3", "--log.every=2", "--resume"])
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resume: ")]
+    assert said == ["resume: mixture weights changed: stdlib 0.7 → 0.5, other 0.3 → 0.5",
+                    "resume: train.lr changed: 0.003 → 0.001", "resume: log.every changed: 10 → 2",
+                    "resume: train.steps 1 → 2: lr schedule recomputed, export will be replaced"]
 
 
 def test_resume_with_no_checkpoint_is_an_error_not_a_fresh_start(data, tmp_path, monkeypatch):
@@ -370,6 +426,18 @@ def test_bad_input_is_a_clear_error_before_the_model_is_built(data, tmp_path, mo
     with pytest.raises(error, match=message):
         run(tmp_path, *overrides)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_damaged_tokenizer_in_the_dataset_stops_the_run_before_building(tmp_path, monkeypatch):
+    dataset = tmp_path / "dataset"
+    (dataset / "tokenizer").mkdir(parents=True)
+    for split in ("train", "val"):
+        (dataset / split).symlink_to(DATA / split)
+    (dataset / "tokenizer" / "tokenizer.model").write_bytes((DATA / "tokenizer" / "tokenizer.model").read_bytes()[:99])
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(UserError, match=rf"^the dataset's tokenizer in {dataset / 'tokenizer'} does not open \(.*\); "
+                                        r"restore it, or re-run scripts/prepare_data.py for the dataset$"):
+        run(tmp_path / "run", *TINY, f"--data.path={dataset}")
 
 
 def test_init_from_a_hugging_face_checkpoint_names_the_conversion_before_building(data, tmp_path, monkeypatch):
@@ -559,6 +627,20 @@ def test_signals_during_the_stops_save_change_nothing_and_the_checkpoint_before_
 
     resumed = run(tmp_path / "stopped", *args, "--resume")
     assert sorted(resumed) == [1, 2, 3, 4, 5]
+
+
+def test_ctrl_c_during_the_final_export_is_one_line_and_exit_code_130(data, tmp_path, monkeypatch, capsys):
+    """DCP wraps the KeyboardInterrupt in its CheckpointException, which run_main did not know."""
+    class InterruptedWriter(export.dcp.HuggingFaceStorageWriter):
+        def write_data(self, plan, planner):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(export.dcp, "HuggingFaceStorageWriter", InterruptedWriter)
+    with pytest.raises(SystemExit) as stopped:
+        run_main(lambda: run(tmp_path, *TINY, "--train.steps=1", "--checkpoint.every=1", "--checkpoint.export=true"))
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err == "interrupted (Ctrl-C)\n"
+    assert checkpoint.verify(tmp_path / "step-1") is None and not (tmp_path / "export").exists()
 
 
 def test_ctrl_c_before_training_is_one_line_and_exit_code_130(data, tmp_path, monkeypatch, capsys):
