@@ -22,7 +22,7 @@ from functools import cached_property
 from dsv3.config import Config, ModelConfig, UserError
 from dsv3.dispatch import SUPPORTED_EP
 from dsv3.metrics import attention_params, block_params, dense_and_expert_params, root_params
-from dsv3.model import LOSS_CHUNK
+from dsv3.loss import LOSS_CHUNK
 from dsv3.quant import FEATURE_MULTIPLE
 
 GIB = 2**30
@@ -285,7 +285,7 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
             if mode != "none":
                 add(line, f"{tl.name(b)}: recomputed in backward", recomputed, last, last)
 
-    # The chunked loss (dsv3.model.linear_cross_entropy): in its forward one chunk's bf16 logits and their gradient
+    # The chunked loss (dsv3.loss.linear_cross_entropy): in its forward one chunk's bf16 logits and their gradient
     # and, over several chunks, the head gradient accumulating in fp32; kept for backward its [T, D] input gradient
     # and bf16 head gradient, until autograd reaches it (the MTP losses first, then the main one).
     chunk, fp32_sum = min(T, LOSS_CHUNK), T > LOSS_CHUNK
