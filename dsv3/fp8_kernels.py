@@ -21,7 +21,7 @@ back and quantize.
 Tiles (`quant.fp8_blockwise_grouped_mm`): one scale per 1×128 tile of a token row, read once. As plain torch ops
 inductor split them into an amax kernel and a cast kernel, some of them below half the bandwidth. While the kernel
 reads the rows, it records each column's amax over each block of 128 rows, for the token groups' scales. The
-experts' input rows it gathers from the dispatcher's source as it reads them (`moe.TokenCopies`), as the token
+experts' input rows it gathers from the dispatcher's source as it reads them (`token_copies.TokenCopies`), as the token
 groups' kernel does in the backward: those rows are never written in bf16. Nor is the gradient of the experts'
 output rows, where the experts sum them per token (y_t = Σ_k g_t,k · row): both kernels read it as ∂y_t · g_t,k, and
 the tiles' kernel also makes ∂g_t,k = ⟨∂y_t, row⟩ as it reads ∂y_t (`fp8_tiles_of_weighted_rows`).

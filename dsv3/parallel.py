@@ -24,7 +24,8 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_sel
 from dsv3 import dispatch, quant
 from dsv3.config import UserError
 from dsv3.model import Transformer
-from dsv3.moe import LocalDispatcher, MoE
+from dsv3.moe import MoE
+from dsv3.token_copies import LocalDispatcher
 
 
 def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:

@@ -42,7 +42,8 @@ import torch
 from torch import nn
 
 from dsv3.config import UserError
-from dsv3.moe import MoE, TokenCopies, row_of_slot, slot_gradients, sum_token_copies, weighted_row_sum
+from dsv3.moe import MoE
+from dsv3.token_copies import TokenCopies, row_of_slot, slot_gradients, sum_token_copies, weighted_row_sum
 
 PRECISIONS = ("bf16", "fp8", "mxfp8", "mxfp8-emulated")
 EXPERT_PRECISIONS = ("bf16", "low", "fp8-blockwise")
@@ -440,7 +441,7 @@ class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
     column amaxes that the tiles' kernel records while it reads each operand (its groups start at multiples of 128
     rows, the tiles' blocks), so the weight gradient's quantization reads each operand once. With `order`, the rows
     are x[order // topk] (`TokenCopies`), read so by both quantizations, and x's gradient sums its copies'. With
-    `sum_order`, the output is y_t = Σ_k g_t,k · (out's row in slot (t, k)) (`moe.combine_token_copies`), and
+    `sum_order`, the output is y_t = Σ_k g_t,k · (out's row in slot (t, k)) (`token_copies.combine_token_copies`), and
     both quantizations read out's gradient as ∂y_t · g_t,k, the tiles' kernel making ∂g_t,k = ⟨∂y_t, row⟩ beside."""
 
     @staticmethod

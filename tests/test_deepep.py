@@ -18,7 +18,8 @@ import train
 from dsv3 import dispatch, parallel
 from dsv3.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from dsv3.dispatch import DeepEPDispatcher, expert_rows
-from dsv3.moe import GroupedExperts, LocalDispatcher, MoE, combine_token_copies
+from dsv3.moe import GroupedExperts, MoE
+from dsv3.token_copies import LocalDispatcher, combine_token_copies
 from conftest import free_port, torchrun_env
 
 E, K, D, INTER, T = 8, 3, 16, 32, 12  # experts, top-k, dim, expert hidden, tokens per rank

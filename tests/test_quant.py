@@ -17,12 +17,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from dsv3 import moe as moe_module
-from dsv3 import parallel, quant
+from dsv3 import parallel, quant, token_copies
 from dsv3.config import FLAVORS, load_config
 from dsv3.model import RMSNorm, Transformer
-from dsv3.moe import (MLP, GroupedExperts, MoE, Router, TokenCopies, gather_token_copies, grouped_mm, pad_order,
-                      row_of_slot)
+from dsv3.moe import MLP, GroupedExperts, MoE, Router, grouped_mm
+from dsv3.token_copies import TokenCopies, gather_token_copies, pad_order, row_of_slot
 from conftest import free_port, leave_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -473,7 +472,7 @@ def test_experts_without_tokens_get_zero_weight_gradients_from_a_grouped_gemm_th
         align, monkeypatch):
     """Where the bf16 grouped GEMM needs it (B200, emulated here) and for the low-precision ones (align > 1), an
     expert without tokens gets a block of zero rows: its weight gradient is exactly zero and nothing else changes."""
-    monkeypatch.setattr(moe_module, "_empty_groups_break_grouped_mm", lambda device: True, raising=False)
+    monkeypatch.setattr(token_copies, "_empty_groups_break_grouped_mm", lambda device: True)
     moe, padded = moe_layer(align=1), moe_layer(align=align)
     padded.experts.grouped_mm = b200_grouped_mm
     for m in (moe, padded):  # experts 1, 5 and the last never chosen
@@ -481,7 +480,7 @@ def test_experts_without_tokens_get_zero_weight_gradients_from_a_grouped_gemm_th
     x = torch.randn(2, 40, CFG.dim)
     r = torch.randn(2, 40, CFG.dim)
     with monkeypatch.context() as plain:  # the reference: the CPU's grouped GEMM, no padding
-        plain.setattr(moe_module, "_empty_groups_break_grouped_mm", lambda device: False, raising=False)
+        plain.setattr(token_copies, "_empty_groups_break_grouped_mm", lambda device: False)
         out_ref = moe(x)
         (out_ref.y * r).sum().backward()
     out = padded(x)
