@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from dsv3 import checkpoint, dispatch, export, optim, parallel, quant, rundir
+from dsv3 import checkpoint, dispatch, export, optim, parallel, rundir
 from dsv3.config import Config, TrainConfig, UserError, help_text, load_config, run_main
 from dsv3.data import MixtureLoader, PackedLoader, check_sources, data_tokenizer, describe_mixture
+from dsv3.lowp import quant
 from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, import_wandb,
                           memory_stats, mfu, parameter_counts, peak_flops, startup_banner)
 from dsv3.model import Transformer
@@ -155,7 +156,7 @@ def check_setup(cfg: Config, world: int, device: torch.device) -> None:
 
 
 def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
-    """Build → low precision (dsv3.quant) → EP → activation checkpointing → compile → FSDP2, then materialise.
+    """Build → low precision (dsv3.lowp.quant) → EP → activation checkpointing → compile → FSDP2, then materialise.
     On CUDA the model is built on the meta device so only this rank's shards are ever allocated. Its weights are
     fp32; on CUDA it computes in bf16: FSDP2's mixed precision, or at one rank (no FSDP) `model.compute_copies`."""
     mcfg, t = cfg.model_config(), cfg.train

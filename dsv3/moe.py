@@ -69,7 +69,7 @@ class GroupedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(n_experts, 2 * inter_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
         # (x [N, K], w [E, K, M] a transposed view of a contiguous [E, M, K] stack, group ends [E] int32) → [N, M]
-        # (one with `sums_token_copies` also takes `sum_copies=` and returns its [T, M] token sums); dsv3.quant swaps
+        # (one with `sums_token_copies` also takes `sum_copies=` and returns its [T, M] token sums); dsv3.lowp.quant swaps
         # in a low-precision one (and sets the dispatcher's `align` to what it needs)
         self.grouped_mm = grouped_mm
         # name → that GEMM's own FP8 form of the weight, where something keeps it up to date (one GPU: the optimizer,

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from dsv3.moe import GroupedExperts
 from dsv3.parallel import to_device
-from dsv3.quant import BLOCK, fp8_blockwise_grouped_mm
+from dsv3.lowp.quant import BLOCK, fp8_blockwise_grouped_mm
 
 
 def _flat_local(t: torch.Tensor) -> torch.Tensor:
@@ -148,7 +148,7 @@ class ComputeCopies:
             for p, copy in self.copy_of.items():
                 if self._written_at.get(p) != self._stamp(p):
                     if p in self.blocks_of:
-                        from dsv3.fp8_kernels import fp8_weight_blocks
+                        from dsv3.lowp.fp8_kernels import fp8_weight_blocks
 
                         for blocks, made in zip(self.blocks_of[p], fp8_weight_blocks(p.to(copy.dtype))):
                             blocks.copy_(made)
@@ -271,7 +271,7 @@ class AdamW(torch.optim.Optimizer):
                 step_size, decay, bias_correction2_sqrt, scale, seed = scalars[key]
                 blocks = self.compute_copies.blocks_of.get(p) if self.compute_copies is not None else None
                 if blocks is not None:
-                    from dsv3.fp8_kernels import adamw_weight_blocks
+                    from dsv3.lowp.fp8_kernels import adamw_weight_blocks
 
                     adamw_weight_blocks(p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], blocks,
                                         step_size, decay, beta1, beta2, group["eps"], bias_correction2_sqrt, scale,

@@ -21,8 +21,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-from dsv3 import dispatch, quant
+from dsv3 import dispatch
 from dsv3.config import UserError
+from dsv3.lowp import quant
 from dsv3.model import Transformer
 from dsv3.moe import MoE
 from dsv3.token_copies import LocalDispatcher
@@ -82,7 +83,7 @@ def check_ep_backend(backend: str, ep: int, device: torch.device, deepep_sms: in
 def apply_expert_parallel(model: Transformer, meshes: Meshes, backend: str = "all_to_all",
                           deepep_sms: int = 24) -> None:
     """Shard each expert stack Shard(0) over `ep` and hand every MoE the `backend`'s dispatcher
-    (keeping the group alignment that dsv3.quant may have set on the local one)."""
+    (keeping the group alignment that dsv3.lowp.quant may have set on the local one)."""
     ep_mesh = meshes.experts["ep"]
     if backend == "deepep":  # check_ep_backend ran at start-up
         buffer = dispatch.get_buffer(ep_mesh.get_group(), model.cfg.dim, deepep_sms)
@@ -127,7 +128,7 @@ def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, red
 # Selective AC keeps what is expensive to recompute (GEMM and attention outputs), recomputes the rest. It sees
 # the ops that run, and inside a compiled MoE block inductor runs the dense GEMMs as `mm.out` into its own
 # buffers, which SAC cannot hand back: there those are recomputed, the grouped GEMMs and attention kept.
-# Under fp8 the GEMMs are the scaled ones (torchao's dense `_scaled_mm`, dsv3.quant's `_scaled_grouped_mm` and
+# Under fp8 the GEMMs are the scaled ones (torchao's dense `_scaled_mm`, dsv3.lowp.quant's `_scaled_grouped_mm` and
 # DeepGEMM's `fp8_block_grouped_mm`); their scales come from amax reductions (tensorwise `max`, rowwise `amax`) whose
 # small outputs are kept too, as torchtitan keeps `max`, so that recompute does not reduce whole activations again.
 # (At one GPU the tensorwise linears' amax is an `amax` in a compiled block (`quant.fusable_amax`), kept likewise;

@@ -23,7 +23,7 @@ from dsv3.config import Config, ModelConfig, UserError
 from dsv3.dispatch import SUPPORTED_EP
 from dsv3.metrics import attention_params, block_params, dense_and_expert_params, root_params
 from dsv3.loss import LOSS_CHUNK
-from dsv3.quant import FEATURE_MULTIPLE
+from dsv3.lowp.quant import FEATURE_MULTIPLE
 
 GIB = 2**30
 

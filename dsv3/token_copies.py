@@ -28,7 +28,7 @@ class LocalDispatcher:
     """
 
     def __init__(self, align: int = 1):
-        self.align = align  # set by dsv3.quant for the low-precision grouped GEMMs
+        self.align = align  # set by dsv3.lowp.quant for the low-precision grouped GEMMs
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  tokens_per_expert: torch.Tensor) -> tuple[TokenCopies, torch.Tensor, Any]:

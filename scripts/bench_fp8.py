@@ -1,7 +1,7 @@
 """Per-shape FP8 micro-benchmark on one GPU: `python scripts/bench_fp8.py --config configs/671b_3layer.toml
 [--recipes bf16,rowwise,...] [--iters 20] [--bandwidth TB/s] [--json PATH] [--section.key=value ...]`.
 
-For each distinct (in_features, out_features) of the dense linears dsv3.quant may convert at this config (at any
+For each distinct (in_features, out_features) of the dense linears dsv3.lowp.quant may convert at this config (at any
 width: this table is what train.fp8_min_features is set from), one linear's forward + backward over the tokens of a
 micro-batch, compiled, between two elementwise ops as in the model (a norm or SwiGLU makes its input, another op
 takes its output), so that inductor can fuse the activation and gradient quantization into them: bf16 beside each
@@ -28,7 +28,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dsv3 import quant  # noqa: E402
+from dsv3.lowp import quant  # noqa: E402
 from dsv3.config import UserError, load_config, run_main  # noqa: E402
 from dsv3.model import Transformer  # noqa: E402
 from dsv3.moe import GroupedExperts  # noqa: E402
@@ -54,7 +54,7 @@ def floor_bytes(recipe: str, tokens: int, in_features: int, out_features: int) -
 
 
 def fp8_linear(recipe: str, linear: nn.Linear) -> nn.Module:
-    """`linear` as dsv3.quant converts it for `recipe` (without FSDP: no fp8 all-gather)."""
+    """`linear` as dsv3.lowp.quant converts it for `recipe` (without FSDP: no fp8 all-gather)."""
     holder = nn.Sequential(linear)
     quant.convert_to_fp8_training(holder, ["0"], recipe, fp8_all_gather=False)
     return holder[0]

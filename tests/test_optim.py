@@ -198,7 +198,7 @@ def test_the_blockwise_experts_update_is_adamw_update_writing_the_fp8_blocks_of_
     rounding included), and, in place of the bf16 copy, fp8_weight_blocks of that copy, bit for bit."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("e4m3 needs compute capability >= 8.9")
-    from dsv3.fp8_kernels import adamw_weight_blocks, fp8_weight_blocks
+    from dsv3.lowp.fp8_kernels import adamw_weight_blocks, fp8_weight_blocks
 
     torch.manual_seed(0)
     shape = (3, 256, 384)
@@ -229,7 +229,7 @@ def test_one_gpu_blockwise_experts_compute_with_fp8_blocks_the_optimizer_writes(
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("DeepGEMM's FP8 kernels here are Hopper's")
     pytest.importorskip("deep_gemm", reason="scripts/install_deepgemm.sh builds it")
-    from dsv3.fp8_kernels import fp8_weight_blocks
+    from dsv3.lowp.fp8_kernels import fp8_weight_blocks
 
     cfg = Config(model={"n_layers": 2, "max_seq_len": 64, "moe_inter_dim": 128},
                  train=TrainConfig(global_batch=4, micro_batch=2, seq_len=64, lr=3e-3, warmup_steps=0, steps=10,

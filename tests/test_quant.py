@@ -1,4 +1,4 @@
-"""Low precision (paper §3.3, dsv3.quant): what gets converted, how close the numerics stay to bf16,
+"""Low precision (paper §3.3, dsv3.lowp.quant): what gets converted, how close the numerics stay to bf16,
 routed-expert token groups padded without changing results or reading anything on the host, the start-up
 checks; on a GPU, short training runs in each mode."""
 
@@ -17,8 +17,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from dsv3 import parallel, quant, token_copies
+from dsv3 import parallel, token_copies
 from dsv3.config import FLAVORS, load_config
+from dsv3.lowp import quant
 from dsv3.model import RMSNorm, Transformer
 from dsv3.moe import MLP, GroupedExperts, MoE, Router, grouped_mm
 from dsv3.token_copies import TokenCopies, gather_token_copies, pad_order, row_of_slot
@@ -215,7 +216,7 @@ def test_the_tensorwise_kernel_gives_the_torch_ops_bits_in_both_layouts_and_keep
     that the divergence guard sees a non-finite gradient norm."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from dsv3.fp8_kernels import fp8_tensorwise
+    from dsv3.lowp.fp8_kernels import fp8_tensorwise
 
     torch.manual_seed(0)
     for rows, cols in ((4097, 129), (33, 8200)):
@@ -301,7 +302,7 @@ def test_mxfp8_emulated_experts_follow_the_bf16_experts():
 def test_mxfp8_emulated_imports_torchao_without_its_enum_deprecation_warnings():
     """torchao 0.18 registers its config enums as pytree constants, which torch 2.13 deprecates with a warning per
     enum when torchao is imported: a fresh process, so that nothing imported torchao before."""
-    code = ("import torch; from dsv3 import quant; from dsv3.config import FLAVORS; from dsv3.model import Transformer;"
+    code = ("import torch; from dsv3.lowp import quant; from dsv3.config import FLAVORS; from dsv3.model import Transformer;"
             "model = Transformer(FLAVORS['debug']);"
             "quant.check_precision('mxfp8-emulated', 'low', torch.device('cpu'));"
             "quant.apply(model, 'mxfp8-emulated', 'low'); print(type(model.layers['0'].attn.wo).__name__)")
@@ -525,7 +526,7 @@ def _ep_worker(rank: int, world: int, port: int, out_path: str) -> None:
     model = Transformer(cfg)
     reference = copy.deepcopy(model)  # one process, unpadded groups
     for moe in parallel.moe_layers(model):
-        moe.dispatcher.align = 32  # as dsv3.quant sets it, before expert parallelism
+        moe.dispatcher.align = 32  # as dsv3.lowp.quant sets it, before expert parallelism
     parallel.apply_expert_parallel(model, parallel.build_meshes("cpu", world, world))
     tokens = torch.randint(0, cfg.vocab_size, (2 * world, 17), generator=torch.Generator().manual_seed(1))
     local = tokens[2 * rank:2 * rank + 2]
@@ -682,7 +683,7 @@ def test_fp8_rowwise_experts_follow_the_bf16_experts_on_cuda():
 def test_fp8_tiles_scale_each_1x128_tile_by_a_power_of_two_that_fills_e4m3():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("Triton's e4m3 needs compute capability >= 8.9")
-    from dsv3.fp8_kernels import fp8_tiles
+    from dsv3.lowp.fp8_kernels import fp8_tiles
 
     torch.manual_seed(0)
     # 326 rows: the last of 3 programs of 128 rows is part-filled, its last step of TILE_ROWS too
@@ -704,7 +705,7 @@ def test_fp8_tiles_scale_each_1x128_tile_by_a_power_of_two_that_fills_e4m3():
 def test_fp8_weight_blocks_quantize_each_128x128_block_and_its_transpose_from_one_scale():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("Triton's e4m3 needs compute capability >= 8.9")
-    from dsv3.fp8_kernels import fp8_weight_blocks
+    from dsv3.lowp.fp8_kernels import fp8_weight_blocks
 
     torch.manual_seed(0)
     w = (torch.randn(3, 256, 384, device="cuda") * torch.logspace(-2, 2, 384, device="cuda")).bfloat16()
@@ -782,7 +783,7 @@ def test_fp8_weight_kernels_quantize_each_axis_as_to_fp8_rowwise(shape):
     M and stored transposed (input gradient): bit for bit what `to_fp8_rowwise` makes of the rows of W and Wᵀ."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability >= 8.9")
-    from dsv3.fp8_kernels import fp8_weight_cols, fp8_weight_rows
+    from dsv3.lowp.fp8_kernels import fp8_weight_cols, fp8_weight_rows
 
     torch.manual_seed(0)
     n_experts, m, k = shape
@@ -803,7 +804,7 @@ def test_fp8_group_kernel_quantizes_each_groups_columns_as_to_fp8_rowwise():
     bit what `to_fp8_rowwise` makes of the group's transposed rows; an empty group included."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability >= 8.9")
-    from dsv3.fp8_kernels import fp8_group_cols
+    from dsv3.lowp.fp8_kernels import fp8_group_cols
 
     torch.manual_seed(0)
     sizes = [48, 0, 640, 16, 272]  # groups longer and shorter than the kernel's block of 256 rows
@@ -826,7 +827,7 @@ def test_fp8_group_kernel_takes_its_scales_from_the_tiles_column_amaxes():
     under DeepGEMM, here NaN) reach no scale."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability >= 8.9")
-    from dsv3.fp8_kernels import fp8_group_cols, fp8_tiles
+    from dsv3.lowp.fp8_kernels import fp8_group_cols, fp8_tiles
 
     torch.manual_seed(0)
     sizes = [256, 128, 640, 128]
@@ -845,7 +846,7 @@ def test_fp8_quantization_kernels_gather_rows_as_they_read_them_bit_for_bit():
     (x[source_rows], zero rows at −1); the rows are never written out in bf16."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("Triton's e4m3 needs compute capability >= 8.9")
-    from dsv3.fp8_kernels import fp8_group_cols, fp8_tiles
+    from dsv3.lowp.fp8_kernels import fp8_group_cols, fp8_tiles
 
     torch.manual_seed(0)
     x = (torch.randn(200, 384, device="cuda") * torch.logspace(-3, 3, 384, device="cuda")).bfloat16()

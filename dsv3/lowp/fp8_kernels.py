@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv3.quant import BLOCK
+from dsv3.lowp import BLOCK
 
 TILE_ROWS, TILE_WARPS = 16, 2  # rows of one step of the 1×128 tile kernel (its programs take BLOCK rows), its warps
 ROWS_PER_PROGRAM = 128  # rows of one expert per program of the forward kernel: its column amaxes are [E, M / 128, K]

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from dsv3.config import UserError
+from dsv3.lowp import BLOCK
 from dsv3.moe import MoE
 from dsv3.token_copies import TokenCopies, row_of_slot, slot_gradients, sum_token_copies, weighted_row_sum
 
@@ -56,7 +57,6 @@ GROUP_ALIGN = {"fp8": 16, "mxfp8": 32, "mxfp8-emulated": 32}
 # so must the tokens of a micro-batch, the inner dim of their weight-gradient GEMM.
 FEATURE_MULTIPLE = {"fp8": 16, "mxfp8": 32, "mxfp8-emulated": 32}
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
-BLOCK = 128  # DeepSeek-V3's FP8 tile and weight block edge (§3.3.2); DeepGEMM's groups start at multiples of it
 
 
 class _EnumRegisteredAsConstant(logging.Filter):
@@ -239,7 +239,7 @@ def to_fp8_tensorwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
     scale (the format's max / amax in fp64, rounded to fp32) and saturated cast, in both layouts. `amax`: max |x|,
     if already known. On a GPU one kernel writes both from one read of x (`fp8_kernels.fp8_tensorwise`)."""
     if x.is_cuda:
-        from dsv3.fp8_kernels import fp8_tensorwise
+        from dsv3.lowp.fp8_kernels import fp8_tensorwise
 
         return fp8_tensorwise(x, amax, dtype == torch.float8_e5m2)
     top = torch.finfo(dtype).max
@@ -343,12 +343,12 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
     """out = x·w per group, its three GEMMs in e4m3 (torch._scaled_grouped_mm, fp32 accumulation). The token rows'
     scales along the features are `to_fp8_rowwise`, plain torch ops that inductor fuses into the kernels that make
     the rows (the gather, SwiGLU, its backward); the weights' scales along each axis and the weight gradient's along
-    each group's tokens are dsv3.fp8_kernels' Triton kernels, which move fewer bytes than torchao 0.18's."""
+    each group's tokens are dsv3.lowp.fp8_kernels' Triton kernels, which move fewer bytes than torchao 0.18's."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         # x [N, K] row-major; w [E, K, M], each expert's matrix column-major (a transposed view of [E, M, K])
-        from dsv3.fp8_kernels import fp8_weight_rows
+        from dsv3.lowp.fp8_kernels import fp8_weight_rows
 
         x_fp8, x_scales = to_fp8_rowwise(x)
         w_rows = w.transpose(-2, -1).contiguous()  # [E, M, K]: the memory of w, no copy
@@ -359,7 +359,7 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        from dsv3.fp8_kernels import fp8_weight_cols
+        from dsv3.lowp.fp8_kernels import fp8_weight_cols
 
         x, w_rows, offsets, w_col_amax = ctx.saved_tensors
         grad_out = grad_out.contiguous()
@@ -383,7 +383,7 @@ def _fp8_rowwise_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, offsets: t
     (`*_amax`: the operand's column amaxes per 128-row block, from `fp8_tiles`; `x_source_rows`: x's rows are
     x[x_source_rows], as `fp8_tiles` takes them; `grad_out_rows` (source rows, row weights): grad_out's rows are
     grad_out[source rows] · row weights, as `fp8_tiles_of_weighted_rows` takes them)."""
-    from dsv3.fp8_kernels import fp8_group_cols
+    from dsv3.lowp.fp8_kernels import fp8_group_cols
 
     g_cols, g_col_scales = fp8_group_cols(grad_out, offsets, grad_out_amax, *(grad_out_rows or ()))
     x_cols, x_col_scales = fp8_group_cols(x, offsets, x_amax, x_source_rows)
@@ -435,7 +435,7 @@ fp8_blockwise_grouped_mm.sums_token_copies = True  # and has it sum its output p
 
 class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
     """out = x·w per group. The forward and the input gradient take DeepSeek-V3's scales (§3.3.2: 1×128 tiles of
-    the token rows, 128×128 blocks of the weights: dsv3.fp8_kernels) through DeepGEMM's grouped GEMM; the weight
+    the token rows, 128×128 blocks of the weights: dsv3.lowp.fp8_kernels) through DeepGEMM's grouped GEMM; the weight
     gradient, whose inner dimension is each group's tokens, takes `_Fp8RowwiseGroupedMM`'s per-group column scales:
     torch's grouped GEMM ran it faster than DeepGEMM's k-grouped one, which writes fp32. Those scales come from the
     column amaxes that the tiles' kernel records while it reads each operand (its groups start at multiples of 128
@@ -450,7 +450,7 @@ class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
                 *w_blocks: torch.Tensor) -> torch.Tensor:
         # x [N, K] row-major (with `order`: [T, K], the rows' source); w [E, K, M], each expert's matrix
         # column-major (a transposed view of [E, M, K])
-        from dsv3.fp8_kernels import fp8_tiles, fp8_weight_blocks
+        from dsv3.lowp.fp8_kernels import fp8_tiles, fp8_weight_blocks
 
         source_rows = None if order is None else order // topk  # padding: −1 // topk = −1
         x_fp8, x_inv_scales, x_amax = fp8_tiles(x, source_rows)
@@ -473,7 +473,7 @@ class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        from dsv3.fp8_kernels import fp8_tiles, fp8_tiles_of_weighted_rows
+        from dsv3.lowp.fp8_kernels import fp8_tiles, fp8_tiles_of_weighted_rows
 
         x, x_amax, wt_fp8, w_inv_scales, offsets, groups, order, source_rows, *summed = ctx.saved_tensors
         grad_out = grad_out.contiguous()
