@@ -179,7 +179,7 @@ def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
         model.to_empty(device=device)
         model.init_weights()
         if world == 1:
-            model.compute_copies = optim.ComputeCopies(model, torch.bfloat16)
+            model.compute_copies = optim.ComputeCopies(model, torch.bfloat16, quant.own_compute_copy)
     return model
 
 

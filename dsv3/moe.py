@@ -61,40 +61,31 @@ class Router(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts as stacked weights; one grouped GEMM per projection, no loop over experts."""
+    """E SwiGLU experts as stacked weights; one grouped GEMM per projection, no loop over experts.
+    A low precision swaps in a subclass whose `forward` runs them in its format (dsv3.lowp.quant), holding the same
+    weight Parameters, and sets the dispatcher's `align` to the row groups its GEMMs need."""
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int):
         super().__init__()
         # gate (w1) and up (w3) fused so one grouped GEMM reads the tokens once
         self.w13 = nn.Parameter(torch.empty(n_experts, 2 * inter_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
-        # (x [N, K], w [E, K, M] a transposed view of a contiguous [E, M, K] stack, group ends [E] int32) → [N, M]
-        # (one with `sums_token_copies` also takes `sum_copies=` and returns its [T, M] token sums); dsv3.lowp.quant swaps
-        # in a low-precision one (and sets the dispatcher's `align` to what it needs)
-        self.grouped_mm = grouped_mm
-        # name → that GEMM's own FP8 form of the weight, where something keeps it up to date (one GPU: the optimizer,
-        # dsv3.optim.ComputeCopies), passed to the GEMM after the weight; empty: the GEMM quantizes the weights itself
-        self.weight_blocks: dict[str, tuple[torch.Tensor, ...]] = {}
 
     def forward(self, x: torch.Tensor | TokenCopies, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [N, dim] sorted by expert, or a dispatcher's `TokenCopies` of such rows; tokens_per_expert [E] on
         device (zeros allowed). Returns [N, dim] rows, or, for copies with `weights`, [T, dim] token sums."""
-        copies = x if isinstance(x, TokenCopies) and x.weights is not None else None
-        if isinstance(x, TokenCopies) and not getattr(self.grouped_mm, "takes_token_copies", False):
-            x = x.gather()
-        w13, w2 = self.w13, self.w2
-        if isinstance(w13, DTensor):  # expert parallelism: compute with this rank's slice of the stacks
-            w13, w2 = w13.to_local(), w2.to_local()
+        rows = x.gather() if isinstance(x, TokenCopies) else x  # [N, dim]
+        w13, w2 = self.local_weights()
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)  # group ends, as _grouped_mm wants
-        blocks = self.weight_blocks
-        gate_up = self.grouped_mm(x, w13.transpose(-2, -1), offsets, *blocks.get("w13", ()))  # [N, 2I]
-        # a GEMM whose row quantization inductor fuses into SwiGLU's backward keeps that backward plain ops
-        triton_backward = not getattr(self.grouped_mm, "quantizes_in_inductor", False)
-        act = swiglu(gate_up, triton_backward)
-        if copies is not None and getattr(self.grouped_mm, "sums_token_copies", False):
-            return self.grouped_mm(act, w2.transpose(-2, -1), offsets, *blocks.get("w2", ()), sum_copies=copies)
-        rows = self.grouped_mm(act, w2.transpose(-2, -1), offsets, *blocks.get("w2", ()))  # [N, dim]
-        return rows if copies is None else copies.sum(rows)
+        act = swiglu(grouped_mm(rows, w13.transpose(-2, -1), offsets))  # [N, 2I] → [N, I]
+        out = grouped_mm(act, w2.transpose(-2, -1), offsets)  # [N, dim]
+        return x.sum(out) if isinstance(x, TokenCopies) and x.weights is not None else out
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2); under expert parallelism this rank's slice of the stacks."""
+        if isinstance(self.w13, DTensor):
+            return self.w13.to_local(), self.w2.to_local()
+        return self.w13, self.w2
 
 
 def swiglu(gate_up: torch.Tensor, triton_backward: bool = True) -> torch.Tensor:

@@ -99,11 +99,11 @@ def _bucketed(size: int, align: int) -> int:
 
 class TokenCopies(NamedTuple):
     """What a dispatcher hands the experts: their input rows as source[order // topk] (−1: a zero row), not yet
-    gathered. `GroupedExperts` gathers them (`gather_token_copies`), or, where its GEMM quantizes its input
-    (blockwise FP8: the GEMM has `takes_token_copies`), hands them to the GEMM, which gathers them as it quantizes
-    them. With `weights`, the experts return, instead of their rows, each token's weighted sum of its copies' rows
-    (`sum`), which a GEMM that quantizes its output's gradient (blockwise FP8: `sums_token_copies`) does itself, so
-    that its backward reads the rows' gradient from the tokens' as it quantizes it."""
+    gathered. `GroupedExperts` gathers them (`gather_token_copies`); the blockwise FP8 experts
+    (`lowp.quant.Fp8BlockwiseExperts`) hand them to their GEMM, which gathers them as it quantizes them. With
+    `weights`, the experts return, instead of their rows, each token's weighted sum of its copies' rows (`sum`),
+    which the blockwise FP8 GEMM makes itself, so that its backward reads the rows' gradient from the tokens' as it
+    quantizes it."""
     source: torch.Tensor  # [T, D]
     order: torch.Tensor  # [N] the slot (token, k) of each row, −1 for a padding row
     topk: int

@@ -202,11 +202,10 @@ def main() -> None:
     for recipe in ("bf16", "rowwise"):
         def run(recipe: str = recipe) -> dict:
             torch.manual_seed(0)
-            experts = GroupedExperts(mcfg.n_routed_experts, mcfg.dim, mcfg.moe_inter_dim).to("cuda", torch.bfloat16)
+            experts_class = quant.Fp8RowwiseExperts if recipe == "rowwise" else GroupedExperts
+            experts = experts_class(mcfg.n_routed_experts, mcfg.dim, mcfg.moe_inter_dim).to("cuda", torch.bfloat16)
             nn.init.normal_(experts.w13, std=0.02)
             nn.init.normal_(experts.w2, std=0.02)
-            if recipe == "rowwise":
-                experts.grouped_mm = quant.fp8_rowwise_grouped_mm
             return measure(experts, (h, counts), args.iters, args.profile_iters)
 
         r = result["experts"][recipe] = guarded(f"experts {recipe}", run)

@@ -46,8 +46,7 @@ def make_experts(seed: int = 0) -> GroupedExperts:
 
 def run_experts(experts: GroupedExperts, lo: int, hi: int, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Experts [lo, hi) of the stack, as an EP rank holding only those runs them."""
-    local = SimpleNamespace(w13=experts.w13[lo:hi], w2=experts.w2[lo:hi], grouped_mm=experts.grouped_mm,
-                            weight_blocks={})
+    local = SimpleNamespace(local_weights=lambda: (experts.w13[lo:hi], experts.w2[lo:hi]))
     return GroupedExperts.forward(local, x, counts)
 
 

@@ -238,15 +238,15 @@ def test_one_gpu_blockwise_experts_compute_with_fp8_blocks_the_optimizer_writes(
     model = build_model(cfg, 1, device)
     copies = model.compute_copies
     stacks = [m for m in model.modules() if isinstance(m, GroupedExperts)]  # the MoE layer's and the MTP module's
-    assert len(stacks) == 2 and set(copies.blocks_of) == {p for m in stacks for p in (m.w13, m.w2)}
-    assert all(copies.copy_of[p].stride() == (0, 0, 0) for p in copies.blocks_of)
+    assert len(stacks) == 2 and set(copies.own_of) == {p for m in stacks for p in (m.w13, m.w2)}
+    assert all(copies.copy_of[p].stride() == (0, 0, 0) for p in copies.own_of)
     optimizer = build_optimizer(model, cfg.train, device)
     batch = torch.randint(0, FLAVORS["debug"].vocab_size, (4, 65), device=device)
     losses = []
     for step in range(1, 11):
         losses.append(train_step(model, optimizer, batch, cfg.train, step)[0][0].item())
-        for p, blocks in copies.blocks_of.items():
-            assert _same_blocks(blocks, fp8_weight_blocks(p.to(torch.bfloat16)))
+        for p, own in copies.own_of.items():
+            assert _same_blocks(own.blocks, fp8_weight_blocks(p.to(torch.bfloat16)))
     assert losses[-1] < 0.8 * losses[0]
 
 

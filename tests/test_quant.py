@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from dsv3 import moe as moe_module
 from dsv3 import parallel, token_copies
 from dsv3.config import FLAVORS, load_config
 from dsv3.lowp import quant
@@ -79,7 +80,7 @@ def test_only_trunk_linears_are_converted_and_names_are_unchanged(precision, exp
     low = expert_precision == "low"
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         assert moe.dispatcher.align == (quant.GROUP_ALIGN[precision] if low else 1)
-        assert (moe.experts.grouped_mm is grouped_mm) != low
+        assert (type(moe.experts) is GroupedExperts) != low
 
 
 def test_precision_skip_keeps_the_named_linears_bf16():
@@ -289,8 +290,8 @@ def test_mxfp8_emulated_experts_follow_the_bf16_experts():
     with torch.no_grad():
         experts.w13.normal_(std=0.05)
         experts.w2.normal_(std=0.05)
-    low = copy.deepcopy(experts)
-    low.grouped_mm = lambda x, w, offsets: quant.mxfp8_grouped_mm(x, w, offsets, emulated=True)
+    low = quant.MXFP8Experts(8, CFG.dim, CFG.moe_inter_dim, emulated=True).to(torch.bfloat16)
+    low.load_state_dict(experts.state_dict())
     x = torch.randn(256, CFG.dim, dtype=torch.bfloat16)
     counts = torch.tensor([64, 0, 32, 32, 0, 96, 0, 32])  # multiples of 32, empty experts included
     y_ref, y = experts(x, counts).float(), low(x, counts).float()
@@ -350,7 +351,7 @@ def test_fp8_blockwise_experts_swap_the_grouped_gemm_at_any_dense_precision():
     model = Transformer(replace(CFG, moe_inter_dim=128))
     assert quant.apply(model, "bf16", "fp8-blockwise") == []
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    assert moes and all(m.experts.grouped_mm is quant.fp8_blockwise_grouped_mm for m in moes)
+    assert moes and all(type(m.experts) is quant.Fp8BlockwiseExperts for m in moes)
     assert all(m.dispatcher.align == 128 for m in moes)
     with pytest.raises(ValueError, match=r"expert_precision=fp8-blockwise needs model.dim \(128\) and "
                                          r"model.moe_inter_dim \(64\) divisible by 128"):
@@ -474,14 +475,15 @@ def test_experts_without_tokens_get_zero_weight_gradients_from_a_grouped_gemm_th
     """Where the bf16 grouped GEMM needs it (B200, emulated here) and for the low-precision ones (align > 1), an
     expert without tokens gets a block of zero rows: its weight gradient is exactly zero and nothing else changes."""
     monkeypatch.setattr(token_copies, "_empty_groups_break_grouped_mm", lambda device: True)
+    monkeypatch.setattr(moe_module, "grouped_mm", b200_grouped_mm)
     moe, padded = moe_layer(align=1), moe_layer(align=align)
-    padded.experts.grouped_mm = b200_grouped_mm
     for m in (moe, padded):  # experts 1, 5 and the last never chosen
         m.gate.expert_bias[[1, 5, 7]] = -100.0
     x = torch.randn(2, 40, CFG.dim)
     r = torch.randn(2, 40, CFG.dim)
     with monkeypatch.context() as plain:  # the reference: the CPU's grouped GEMM, no padding
         plain.setattr(token_copies, "_empty_groups_break_grouped_mm", lambda device: False)
+        plain.setattr(moe_module, "grouped_mm", grouped_mm)
         out_ref = moe(x)
         (out_ref.y * r).sum().backward()
     out = padded(x)
@@ -666,8 +668,8 @@ def test_fp8_rowwise_experts_follow_the_bf16_experts_on_cuda():
     with torch.no_grad():
         experts.w13.normal_(std=0.05)
         experts.w2.normal_(std=0.05)
-    low = copy.deepcopy(experts)
-    low.grouped_mm = quant.fp8_rowwise_grouped_mm
+    low = quant.Fp8RowwiseExperts(8, CFG.dim, CFG.moe_inter_dim).to("cuda", torch.bfloat16)
+    low.load_state_dict(experts.state_dict())
     x = torch.randn(256, CFG.dim, device="cuda", dtype=torch.bfloat16)
     counts = torch.tensor([64, 0, 32, 16, 16, 96, 0, 32], device="cuda")  # multiples of 16
     y_ref, y = experts(x, counts), low(x, counts)

@@ -43,7 +43,7 @@ from torch import nn
 
 from dsv3.config import UserError
 from dsv3.lowp import BLOCK
-from dsv3.moe import MoE
+from dsv3.moe import GroupedExperts, MoE, swiglu
 from dsv3.token_copies import TokenCopies, row_of_slot, slot_gradients, sum_token_copies, weighted_row_sum
 
 PRECISIONS = ("bf16", "fp8", "mxfp8", "mxfp8-emulated")
@@ -167,13 +167,13 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
     (e.g. "attn", "shared_experts"); others stay bf16. Modules are swapped, their weight Parameters kept, so
     parameter names (FSDP, checkpoints) do not change. `fsdp`: whether FSDP2 will shard the model; only then do
     tensorwise weights carry the fp8 all-gather.
-    Experts: `expert_precision=low` makes each `GroupedExperts.grouped_mm` the precision's low-precision one, whose
-    dispatcher pads groups to GROUP_ALIGN rows; `fp8-blockwise` makes it `fp8_blockwise_grouped_mm` (whatever the
-    dense `precision`), groups padded to BLOCK rows. Works on a meta-device model.
+    Experts: `expert_precision=low` swaps each `GroupedExperts` for the precision's low-precision one
+    (`Fp8RowwiseExperts`, `MXFP8Experts`), whose dispatcher pads groups to GROUP_ALIGN rows; `fp8-blockwise` for
+    `Fp8BlockwiseExperts` (whatever the dense `precision`), groups padded to BLOCK rows. Works on a meta-device model.
     """
     _check_modes(precision, expert_precision, fp8_recipe)
     if expert_precision == "fp8-blockwise":
-        _swap_expert_gemm(model, fp8_blockwise_grouped_mm, BLOCK, BLOCK, expert_precision)
+        _swap_experts(model, Fp8BlockwiseExperts, BLOCK, BLOCK, expert_precision)
     if precision == "bf16":
         return []
     eligible = convertible_linears(model, precision, fp8_min_features)
@@ -188,10 +188,10 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
         _swap_linears(model, names, functools.partial(to_mxfp8_linear, emulated=precision == "mxfp8-emulated"))
     if expert_precision == "low":
         if precision == "fp8":
-            gemm = fp8_rowwise_grouped_mm
+            experts = Fp8RowwiseExperts
         else:
-            gemm = functools.partial(mxfp8_grouped_mm, emulated=precision == "mxfp8-emulated")
-        _swap_expert_gemm(model, gemm, FEATURE_MULTIPLE[precision], GROUP_ALIGN[precision], f"low with {precision}")
+            experts = functools.partial(MXFP8Experts, emulated=precision == "mxfp8-emulated")
+        _swap_experts(model, experts, FEATURE_MULTIPLE[precision], GROUP_ALIGN[precision], f"low with {precision}")
     return names
 
 
@@ -203,14 +203,19 @@ def _swap_linears(model: nn.Module, names: list[str], convert) -> None:
         setattr(owner, child, convert(getattr(owner, child)))
 
 
-def _swap_expert_gemm(model: nn.Module, gemm, feature_multiple: int, align: int, what: str) -> None:
+def _swap_experts(model: nn.Module, experts_class, feature_multiple: int, align: int, what: str) -> None:
+    """Replace each MoE's `GroupedExperts` by an `experts_class(n_experts, dim, inter_dim)` holding its weight
+    Parameters (their names do not change), and have its dispatcher pad groups to `align` rows."""
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        dim, inter_dim = moe.experts.w2.shape[1:]
+        n_experts, dim, inter_dim = moe.experts.w2.shape
         if dim % feature_multiple or inter_dim % feature_multiple:
             raise UserError(f"train.expert_precision={what} needs model.dim ({dim}) and model.moe_inter_dim "
                             f"({inter_dim}) divisible by {feature_multiple}: change them or use "
                             "--train.expert_precision=bf16")
-        moe.experts.grouped_mm = gemm
+        with torch.device("meta"):
+            experts = experts_class(n_experts, dim, inter_dim)
+        experts.w13, experts.w2 = moe.experts.w13, moe.experts.w2
+        moe.experts = experts
         moe.dispatcher.align = align
 
 
@@ -372,8 +377,6 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
         return grad_x, _fp8_rowwise_weight_grad(grad_out, x, offsets).transpose(-2, -1), None
 
 
-fp8_rowwise_grouped_mm.quantizes_in_inductor = True  # GroupedExperts keeps SwiGLU plain ops for it
-
 
 def _fp8_rowwise_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
                              grad_out_amax: torch.Tensor | None = None, x_amax: torch.Tensor | None = None,
@@ -421,16 +424,13 @@ def fp8_blockwise_grouped_mm(x: torch.Tensor | TokenCopies, w: torch.Tensor, off
     """Routed-expert GEMM in DeepSeek-V3's FP8 recipe; groups must start at multiples of 128 rows (the dispatcher
     pads them). x: the rows, or a dispatcher's `TokenCopies` of them, which the quantization gathers as it reads
     them (the bf16 rows are never written). `w_blocks`: what `fp8_kernels.fp8_weight_blocks` makes of w's bf16
-    values, if something keeps it (`GroupedExperts.weight_blocks`); w's values are then not read, only its gradient
+    values, if something keeps it (`Fp8BlockwiseExperts.weight_blocks`); w's values are then not read, only its gradient
     is made. `sum_copies` (copies with `weights`, whose order the output rows follow): returns `sum_copies.sum` of
     the output, whose backward reads the rows' gradient from the tokens' as it quantizes it (never written)."""
     source, order, topk = (x.source, x.order, x.topk) if isinstance(x, TokenCopies) else (x, None, 1)
     sum_order, sum_weights = (None, None) if sum_copies is None else (sum_copies.order, sum_copies.weights)
     return _Fp8BlockwiseGroupedMM.apply(source, w, offsets, order, topk, sum_order, sum_weights, *w_blocks)
 
-
-fp8_blockwise_grouped_mm.takes_token_copies = True  # GroupedExperts hands it the dispatcher's copies ungathered
-fp8_blockwise_grouped_mm.sums_token_copies = True  # and has it sum its output per token (`sum_copies`)
 
 
 class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
@@ -506,3 +506,87 @@ def mxfp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, em
         x.bfloat16(), w.bfloat16(), offsets, out_dtype=torch.bfloat16,
         kernel_preference=KernelPreference.EMULATED if emulated else KernelPreference.AUTO)
     return out.to(x.dtype)
+
+
+class Fp8RowwiseExperts(GroupedExperts):
+    """`GroupedExperts` with both grouped GEMMs in e4m3 rowwise (`fp8_rowwise_grouped_mm`): expert_precision=low
+    with fp8."""
+
+    def forward(self, x: torch.Tensor | TokenCopies, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        rows = x.gather() if isinstance(x, TokenCopies) else x  # [N, dim]
+        w13, w2 = self.local_weights()
+        offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+        # SwiGLU's backward in plain ops: inductor fuses the row quantization of its output into them
+        act = swiglu(fp8_rowwise_grouped_mm(rows, w13.transpose(-2, -1), offsets), triton_backward=False)
+        out = fp8_rowwise_grouped_mm(act, w2.transpose(-2, -1), offsets)  # [N, dim]
+        return x.sum(out) if isinstance(x, TokenCopies) and x.weights is not None else out
+
+
+class MXFP8Experts(GroupedExperts):
+    """`GroupedExperts` with both grouped GEMMs in MXFP8 (`mxfp8_grouped_mm`, `emulated` or not): expert_precision=low
+    with mxfp8 or mxfp8-emulated."""
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int, emulated: bool):
+        super().__init__(n_experts, dim, inter_dim)
+        self.emulated = emulated
+
+    def forward(self, x: torch.Tensor | TokenCopies, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        rows = x.gather() if isinstance(x, TokenCopies) else x  # [N, dim]
+        w13, w2 = self.local_weights()
+        offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+        act = swiglu(mxfp8_grouped_mm(rows, w13.transpose(-2, -1), offsets, self.emulated))  # [N, I]
+        out = mxfp8_grouped_mm(act, w2.transpose(-2, -1), offsets, self.emulated)  # [N, dim]
+        return x.sum(out) if isinstance(x, TokenCopies) and x.weights is not None else out
+
+
+class Fp8BlockwiseExperts(GroupedExperts):
+    """`GroupedExperts` in DeepSeek-V3's FP8 recipe (`fp8_blockwise_grouped_mm`): expert_precision=fp8-blockwise.
+    The dispatcher's `TokenCopies` go to the first GEMM ungathered, its quantization gathers them as it reads them;
+    with gate weights, the second GEMM sums its rows per token itself (`sum_copies`)."""
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int):
+        super().__init__(n_experts, dim, inter_dim)
+        # name → the GEMM's own FP8 form of the weight, where something keeps it up to date (one GPU: the optimizer,
+        # through `WeightBlocks`), passed to the GEMM after the weight; empty: the GEMM quantizes the weights itself
+        self.weight_blocks: dict[str, tuple[torch.Tensor, ...]] = {}
+
+    def forward(self, x: torch.Tensor | TokenCopies, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        copies = x if isinstance(x, TokenCopies) and x.weights is not None else None
+        w13, w2 = self.local_weights()
+        offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+        blocks = self.weight_blocks
+        act = swiglu(fp8_blockwise_grouped_mm(x, w13.transpose(-2, -1), offsets, *blocks.get("w13", ())))  # [N, I]
+        return fp8_blockwise_grouped_mm(act, w2.transpose(-2, -1), offsets, *blocks.get("w2", ()), sum_copies=copies)
+
+
+class WeightBlocks:
+    """The one-GPU compute copy (dsv3.optim.ComputeCopies) of a `Fp8BlockwiseExperts` weight stack [E, M, K]: the
+    e4m3 blocks its GEMM reads (`fp8_kernels.fp8_weight_blocks`), handed to the experts' `weight_blocks`, in place of
+    a bf16 copy; the optimizer writes them while it holds each block (`fp8_kernels.adamw_weight_blocks`)."""
+
+    def __init__(self, experts: Fp8BlockwiseExperts, name: str, p: nn.Parameter):
+        n_experts, m, k = p.shape
+        self.blocks = (torch.empty(p.shape, dtype=torch.float8_e4m3fn, device=p.device),
+                       torch.empty(n_experts, k, m, dtype=torch.float8_e4m3fn, device=p.device),
+                       torch.empty(n_experts, m // BLOCK, k // BLOCK, dtype=torch.float32, device=p.device))
+        experts.weight_blocks[name] = self.blocks
+
+    def write(self, weight: torch.Tensor) -> None:
+        """Remake the blocks from `weight`, the stack in the compute dtype."""
+        from dsv3.lowp.fp8_kernels import fp8_weight_blocks
+
+        for blocks, made in zip(self.blocks, fp8_weight_blocks(weight)):
+            blocks.copy_(made)
+
+    def adamw_update(self, p: nn.Parameter, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                     *scalars) -> None:
+        """`optim.adamw_update` of `p` (its `scalars` from step_size on), writing the blocks instead of a copy."""
+        from dsv3.lowp.fp8_kernels import adamw_weight_blocks
+
+        adamw_weight_blocks(p, grad.contiguous(), exp_avg, exp_avg_sq, self.blocks, *scalars)
+
+
+def own_compute_copy(module: nn.Module, name: str, p: nn.Parameter) -> WeightBlocks | None:
+    """What dsv3.optim.ComputeCopies keeps of `p` in place of a bf16 copy: the blockwise FP8 experts' `WeightBlocks`;
+    None for every other parameter."""
+    return WeightBlocks(module, name, p) if isinstance(module, Fp8BlockwiseExperts) else None
