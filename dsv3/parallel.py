@@ -131,8 +131,6 @@ def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, red
 # Under fp8 the GEMMs are the scaled ones (torchao's dense `_scaled_mm`, dsv3.lowp.quant's `_scaled_grouped_mm` and
 # DeepGEMM's `fp8_block_grouped_mm`); their scales come from amax reductions (tensorwise `max`, rowwise `amax`) whose
 # small outputs are kept too, as torchtitan keeps `max`, so that recompute does not reduce whole activations again.
-# (At one GPU the tensorwise linears' amax is an `amax` in a compiled block (`quant.fusable_amax`), kept likewise;
-# eager, it is inside their cast, `dsv3::fp8_tensorwise`, recomputed with it.)
 _SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default,
              torch.ops.aten._scaled_mm.default, torch.ops.aten._scaled_grouped_mm.default,
              quant.fp8_block_grouped_mm._opoverload,

@@ -38,7 +38,7 @@ RECIPES = ("bf16", "tensorwise", "rowwise")
 # Quantization's bandwidth floor for y = x Wᵀ, x [T, in], W [out, in], g = grad_out [T, out]: per operand
 # (bf16 reads, e4m3 writes), 2 B and 1 B an element each.
 #   tensorwise  one scale per tensor: an amax pass, then one read that writes both layouts the GEMMs take (forward
-#               GEMM, one backward GEMM), as dsv3's linear does at one GPU (quant.Fp8TensorwiseLinear)
+#               GEMM, one backward GEMM)
 #   rowwise     x along in (y) and T (dW); W along in (y) and out (dx); g along out (dx) and T (dW): per axis an amax
 #               pass and a cast
 FLOOR = {

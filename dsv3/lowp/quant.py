@@ -10,8 +10,7 @@ each call in one function named for what it does, and imported only here, only w
                     tensorwise  one scale per tensor: faster to quantize; held the loss within 1% with bf16
                                 moments, not with fp32 ones. Under FSDP2 torchao.float8's `Float8Linear`, its
                                 weights all-gathered in fp8: call `precompute_fp8_scales(model)` after every
-                                optimizer step. Without FSDP `Fp8TensorwiseLinear`: the same bits, each operand
-                                cast once into both of its layouts.
+                                optimizer step; without FSDP the same linear, its weights bf16.
                   (DeepSeek-V3's own 1×128 / 128×128 blockwise recipe for the dense linears, through torchao,
                   did not pay on Hopper: README, "Precision".)
                   Decided by shape: only linears with min(in_features, out_features) ≥ `train.fp8_min_features`
@@ -220,94 +219,16 @@ def _swap_experts(model: nn.Module, experts_class, feature_multiple: int, align:
 
 
 def convert_to_fp8_training(model: nn.Module, names: list[str], recipe: str, fp8_all_gather: bool = True) -> None:
-    """Swap the named linears for FP8 ones (dynamic scaling, e4m3 forward, e5m2 gradients). Under FSDP2
-    (`fp8_all_gather`) and for rowwise: torchao's Float8Linear; a tensorwise one all-gathers its weights in fp8 (its
-    scales are the only ones that can be: WeightWithDynamicFloat8CastTensor). Tensorwise without FSDP: dsv3's
-    `Fp8TensorwiseLinear`, torchao's numerics bit for bit, each operand cast once into both layouts its GEMMs read."""
-    if recipe == "tensorwise" and not fp8_all_gather:
-        _swap_linears(model, names, Fp8TensorwiseLinear.of)
-        for name in names:
-            model.get_submodule(name).fuse_grad_amax = name.rpartition(".")[2] not in ROPE_GRAD_LINEARS
-        return
+    """Swap the named linears for torchao's Float8Linear (dynamic scaling, e4m3 forward, e5m2 gradients). Under FSDP2
+    (`fp8_all_gather`) a tensorwise one all-gathers its weights in fp8 (its scales are the only ones that can be:
+    WeightWithDynamicFloat8CastTensor)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)
-    if recipe == "tensorwise":
+    if recipe == "tensorwise" and fp8_all_gather:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     wanted = set(names)
     convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in wanted, config=config)
-
-
-def to_fp8_tensorwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, amax: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] → (fp8 [M, K], its transpose [K, M] contiguous, scale fp32), x ≈ fp8 / scale: torchao's tensorwise
-    scale (the format's max / amax in fp64, rounded to fp32) and saturated cast, in both layouts. `amax`: max |x|,
-    if already known. On a GPU one kernel writes both from one read of x (`fp8_kernels.fp8_tensorwise`)."""
-    if x.is_cuda:
-        from dsv3.lowp.fp8_kernels import fp8_tensorwise
-
-        return fp8_tensorwise(x, amax, dtype == torch.float8_e5m2)
-    top = torch.finfo(dtype).max
-    amax = x.abs().max() if amax is None else amax
-    scale = (top / amax.to(torch.float64).clamp(min=1e-12)).to(torch.float32)
-    x8 = (x.to(torch.float32) * scale).clamp(-top, top).to(dtype)
-    return x8, x8.t().contiguous(), scale
-
-
-def fusable_amax(x: torch.Tensor) -> torch.Tensor | None:
-    """max |x| [M, K] as torch ops inside a compiled graph, a max along each row and then over the rows: inductor
-    fuses that row reduction into the kernel that makes x (a norm, SwiGLU, their backward), where a pass of its own
-    would read x again. Eager (None), the cast's kernel makes its own amax pass, faster than torch's ops there."""
-    return x.abs().amax(-1).amax() if torch.compiler.is_compiling() else None
-
-
-# MLA's query projections, whose output gradient is made by RoPE's backward from attention's [B, H, S, d] gradient,
-# read transposed: a row amax fused into that kernel made it slower than the cast's own amax pass (H100).
-ROPE_GRAD_LINEARS = ("wq_b", "wq")
-
-
-class Fp8TensorwiseLinear(nn.Linear):
-    """torchao's tensorwise Float8Linear (one GPU, no FSDP), bit for bit, with each operand cast once into both
-    layouts its GEMMs read: the forward writes x and W in e4m3 row-major and transposed and saves the transposed ones
-    (1 byte an element, where torchao saves bf16 x and W and casts them again in backward); the backward casts the
-    output gradient into both layouts at once. Compiled, the amax of x, and of the output gradient if
-    `fuse_grad_amax`, is left to inductor to fuse into the kernel that makes it (`fusable_amax`)."""
-
-    fuse_grad_amax = True
-
-    @classmethod
-    def of(cls, linear: nn.Linear) -> "Fp8TensorwiseLinear":
-        with torch.device("meta"):
-            new = cls(linear.in_features, linear.out_features, bias=False)
-        new.weight, new.bias = linear.weight, linear.bias
-        return new
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _Fp8TensorwiseMM.apply(x.reshape(-1, x.shape[-1]), self.weight, self.fuse_grad_amax)
-        y = y.reshape(*x.shape[:-1], y.shape[-1])
-        return y if self.bias is None else y + self.bias.to(y.dtype)
-
-
-class _Fp8TensorwiseMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, fuse_grad_amax: bool) -> torch.Tensor:
-        ctx.fuse_grad_amax = fuse_grad_amax
-        # W is a leaf (the optimizer's bf16 copy): nothing to fuse its amax into
-        (x8, x8_t, x_scale), (w8, w8_t, w_scale) = to_fp8_tensorwise(x, amax=fusable_amax(x)), to_fp8_tensorwise(w)
-        x_inverse, w_inverse = x_scale.reciprocal(), w_scale.reciprocal()  # what _scaled_mm takes, as torchao's
-        ctx.save_for_backward(x8_t, w8_t, x_inverse, w_inverse)
-        return torch._scaled_mm(x8, w8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=x.dtype,
-                                use_fast_accum=True)
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        x8_t, w8_t, x_inverse, w_inverse = ctx.saved_tensors
-        g_amax = fusable_amax(grad_out) if ctx.fuse_grad_amax else None
-        g8, g8_t, g_scale = to_fp8_tensorwise(grad_out, torch.float8_e5m2, g_amax)  # e5m2, as torchao's
-        g_inverse = g_scale.reciprocal()
-        grad_x = torch._scaled_mm(g8, w8_t.t(), scale_a=g_inverse, scale_b=w_inverse, out_dtype=grad_out.dtype)
-        grad_w = torch._scaled_mm(g8_t, x8_t.t(), scale_a=g_inverse, scale_b=x_inverse, out_dtype=grad_out.dtype)
-        return grad_x, grad_w, None
 
 
 def precompute_fp8_scales(model: nn.Module) -> None:
