@@ -62,8 +62,8 @@ GPUS: dict[str, GPU] = {
 INFINIBAND_GB_S = 50.0
 # assumed, not measured here: the share of a link's rate NCCL's ring all-gather and reduce-scatter reach
 COLLECTIVE_EFFICIENCY = 0.8
-# measured: our all_to_all reaches this share of the link rate (README, DeepEP: one 16B layer's four exchanges, 6.09
-# ms on 2 H200s)
+# measured: our all_to_all reaches this share of the link rate (README, DeepEP: one 16B layer's four exchanges on
+# 2 H200s)
 ALL_TO_ALL_EFFICIENCY = 0.29
 # Calibrated against the measured peaks (tests/test_plan.py pins them): the saved-tensor count below is what eager
 # autograd keeps; torch.compile keeps fewer (it recomputes cheap elementwise ops) while the caching allocator rounds
@@ -80,8 +80,8 @@ OPTIMIZER_HBM_EFFICIENCY = {"dsv3": 0.77, "torch": 0.53}
 # loss + idle time)
 OTHER_HBM_EFFICIENCY = 0.15
 # FSDP2's per-micro-batch casts and copies of the parameters into its unsharded buffers and of the gradients out
-# (fp32 → bf16 parameters, bf16 → fp32 gradients: 14 bytes each) reach this share: measured, 22 ms of a 165 ms step
-# of the 16B cut (2.26B parameters) on one H100 when it still ran under FSDP2 (README, Performance)
+# (fp32 → bf16 parameters, bf16 → fp32 gradients: 14 bytes each) reach this share: measured in a step of the 16B
+# cut (2.26B parameters) on one H100 when it still ran under FSDP2 (README, Performance)
 FSDP_CAST_HBM_EFFICIENCY = 0.43
 # routed tokens per rank vary around the balanced T·K: receive buffers and expert activations get headroom
 EP_HEADROOM = 1.25

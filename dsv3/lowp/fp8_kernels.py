@@ -162,7 +162,7 @@ def _fp8_weight_blocks_kernel(w_ptr, out_ptr, out_t_ptr, inv_scales_ptr, M, K, B
     w = tl.load(w_ptr + base + rows[:, None] * K + cols[None, :])
     scale = _pow2_scale(tl.max(tl.max(tl.abs(w.to(tl.float32)), axis=1), axis=0))
     tl.store(out_ptr + base + rows[:, None] * K + cols[None, :], _to_e4m3(w, scale))
-    # transposed in bf16, then cast: transposing the e4m3 block was 1.3x slower (H200)
+    # transposed in bf16, then cast: transposing the e4m3 block was slower (H200)
     tl.store(out_t_ptr + base + cols[:, None] * M + rows[None, :], _to_e4m3(tl.trans(w), scale))
     tl.store(inv_scales_ptr + (expert * (M // BLOCK) + block_row) * (K // BLOCK) + block_col, 1.0 / scale)
 
@@ -252,7 +252,7 @@ def _adamw_weight_blocks_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr
             tl.store(exp_avg_sq_ptr + index, v)
     scale = _pow2_scale(tl.max(tl.max(amax, axis=1), axis=0))
     # The block's new weights again, from L2, whole, cast as `fp8_weight_blocks`' are: Wᵀ's rows are then written in
-    # whole 128-byte lines (in 16-row steps, 16-byte pieces of them, the kernel had run 1.3x slower)
+    # whole 128-byte lines (in 16-row steps, 16-byte pieces of them, the kernel had run slower)
     rows = block_row * BLOCK + tl.arange(0, BLOCK)
     w = tl.load(param_ptr + rows[:, None] * K + cols[None, :]).to(tl.bfloat16)
     tl.store(out_ptr + base + rows[:, None] * K + cols[None, :], _to_e4m3(w, scale))
@@ -301,7 +301,7 @@ def _fp8_tiles_kernel(x_ptr, source_rows_ptr, row_weights_ptr, dot_rows_ptr, dot
     block_row = tl.program_id(0)
     tile = tl.program_id(1)
     cols = tile * BLOCK + tl.arange(0, BLOCK)
-    # reduced over its rows once, at the end: a column reduction per step of rows made the kernel 1.9x slower (H200)
+    # reduced over its rows once, at the end: a column reduction per step of rows made the kernel slower (H200)
     col_amax = tl.zeros([ROWS, BLOCK], tl.float32)
     for part in tl.range(0, BLOCK // ROWS):
         rows = block_row * BLOCK + part * ROWS + tl.arange(0, ROWS)

@@ -6,9 +6,9 @@ each call in one function named for what it does, and imported only here, only w
   bf16            nothing changes.
   fp8             e4m3, compute capability ≥ 8.9, with the scales of `train.fp8_recipe`:
                     rowwise     (train.py's default) one scale per row of each GEMM operand: held bf16's loss
-                                within 1% over 1,000 steps (README "Precision").
-                    tensorwise  one scale per tensor: faster to quantize; held the loss within 1% with bf16
-                                moments, not with fp32 ones. Under FSDP2 torchao.float8's `Float8Linear`, its
+                                (README "Precision").
+                    tensorwise  one scale per tensor: faster to quantize; held the loss with bf16 moments, not
+                                with fp32 ones. Under FSDP2 torchao.float8's `Float8Linear`, its
                                 weights all-gathered in fp8: call `precompute_fp8_scales(model)` after every
                                 optimizer step; without FSDP the same linear, its weights bf16.
                   (DeepSeek-V3's own 1×128 / 128×128 blockwise recipe for the dense linears, through torchao,
