@@ -237,8 +237,8 @@ def test_mxfp8_emulated_experts_follow_the_bf16_experts():
 def test_mxfp8_emulated_imports_torchao_without_its_enum_deprecation_warnings():
     """torchao 0.18 registers its config enums as pytree constants, which torch 2.13 deprecates with a warning per
     enum when torchao is imported: a fresh process, so that nothing imported torchao before."""
-    code = ("import torch; from dsv3.lowp import quant; from dsv3.config import FLAVORS; from dsv3.model import Transformer;"
-            "model = Transformer(FLAVORS['debug']);"
+    code = ("import torch; from dsv3.lowp import quant; from dsv3.config import FLAVORS;"
+            "from dsv3.model import Transformer; model = Transformer(FLAVORS['debug']);"
             "quant.check_precision('mxfp8-emulated', 'low', torch.device('cpu'));"
             "quant.apply(model, 'mxfp8-emulated', 'low'); print(type(model.layers['0'].attn.wo).__name__)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
