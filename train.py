@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from dsv3 import checkpoint, dispatch, export, optim, parallel, quant, rundir
+from dsv3 import checkpoint, dispatch, export, optim, parallel, rundir
 from dsv3.config import (Config, TrainConfig, UserError, help_text, load_config, resume_changes, resume_record,
                          run_main)
 from dsv3.data import (MixtureLoader, PackedLoader, check_first_batch, check_sources, data_tokenizer,
                        describe_mixture)
+from dsv3.lowp import quant
 from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, import_wandb,
                           memory_stats, mfu, parameter_counts, peak_flops, startup_banner)
 from dsv3.model import Transformer
@@ -167,7 +168,7 @@ def check_setup(cfg: Config, world: int, device: torch.device) -> None:
 
 
 def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
-    """Build → low precision (dsv3.quant) → EP → activation checkpointing → compile → FSDP2, then materialise.
+    """Build → low precision (dsv3.lowp.quant) → EP → activation checkpointing → compile → FSDP2, then materialise.
     On CUDA the model is built on the meta device so only this rank's shards are ever allocated. Its weights are
     fp32; on CUDA it computes in bf16: FSDP2's mixed precision, or at one rank (no FSDP) `model.compute_copies`."""
     mcfg, t = cfg.model_config(), cfg.train
@@ -190,7 +191,7 @@ def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
         model.to_empty(device=device)
         model.init_weights()
         if world == 1:
-            model.compute_copies = optim.ComputeCopies(model, torch.bfloat16)
+            model.compute_copies = optim.ComputeCopies(model, torch.bfloat16, quant.own_compute_copy)
     if t.balanced_routing:
         for router in model.routers():
             router.uniform_seed = torch.zeros((), dtype=torch.int64, device=device)

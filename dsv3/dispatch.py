@@ -10,7 +10,7 @@ DeepEP sends each token to a rank once, however many of its experts live there: 
 received token once, `recv_topk_idx` [R, K] its top-k as *local* expert ids (−1: an expert on another rank).
 The expert side expands that to one row per (token, local expert), sorted by local expert for the grouped GEMM
 (`expert_rows`), and the experts weight each row by its gate weight and sum a token's rows back into one
-(`moe.TokenCopies.weights`): DeepEP's combine is an unweighted sum over ranks, so it then yields
+(`token_copies.TokenCopies.weights`): DeepEP's combine is an unweighted sum over ranks, so it then yields
 y_t = Σ_ranks Σ_{k on that rank} g_t,k · FFN_k(x_t) on the token's own rank.
 
 Autograd: dispatch's backward is a combine (of the gradients of recv_x and of the gate weights), combine's
@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from dsv3.config import UserError
-from dsv3.moe import TokenCopies, combine_token_copies, gather_token_copies, pad_order, pads_groups, row_of_slot
+from dsv3.token_copies import (TokenCopies, combine_token_copies, gather_token_copies, pad_order, pads_groups,
+                               row_of_slot)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -7,7 +7,7 @@ sorts this process's tokens by expert; `dsv3.parallel` hands in an all-to-all or
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from dsv3.config import ModelConfig
 from dsv3.hashing import STRIDE, mix32
+from dsv3.token_copies import LocalDispatcher, TokenCopies
 
 
 class Routing(NamedTuple):
@@ -73,265 +74,32 @@ def uniform_topk(seed: torch.Tensor, n_tokens: int, n_experts: int, topk: int) -
     return mix32((slot * STRIDE + seed).int()).topk(topk, dim=-1).indices
 
 
-class LocalDispatcher:
-    """All experts live in this process: sort token copies by expert, and undo it after the experts.
-
-    Interface shared by every dispatcher:
-      dispatch(x [T, D], topk_idx [T, K], topk_weights [T, K], tokens_per_expert [E] of these tokens)
-          -> (copies: `TokenCopies` of the experts' [N, D] rows, grouped by local expert,
-              tokens_per_local_expert [E_local] int64, ctx)
-      combine(expert_y, ctx) -> y [T, D] = Σ_k g_k · (the experts' row of token t's k-th copy). expert_y is what
-          the experts return: the weighted sums per token where the copies carry `weights` (this dispatcher,
-          DeepEP's), else their [N, D] rows
-      wait(y) -> y, readable: combine may return while its exchange is still in flight (DeepEP), so that
-          the shared experts overlap it; a no-op for the others
-      align: every group of the copies starts at a multiple of it (`pad_order`); 1 = no padding, unless
-          `pads_groups` says the device needs it.
-    """
-
-    def __init__(self, align: int = 1):
-        self.align = align  # set by dsv3.quant for the low-precision grouped GEMMs
-
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 tokens_per_expert: torch.Tensor) -> tuple[TokenCopies, torch.Tensor, Any]:
-        flat_idx = topk_idx.flatten()
-        order = flat_idx.argsort(stable=True)  # token copies sorted by expert
-        if pads_groups(self.align, x.device):
-            order, tokens_per_expert = pad_order(order, flat_idx[order], tokens_per_expert, self.align)
-        return TokenCopies(x, order, topk_idx.size(1), topk_weights), tokens_per_expert, None
-
-    def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return expert_y  # the experts summed each token's rows (`TokenCopies.weights`)
-
-    def wait(self, y: torch.Tensor) -> torch.Tensor:
-        return y
-
-
-def pads_groups(align: int, device: torch.device) -> bool:
-    """Whether a dispatcher hands the experts `pad_order`'s buffer: for the low-precision grouped GEMMs (align > 1),
-    and wherever groups without rows break the bf16 one."""
-    return align > 1 or _empty_groups_break_grouped_mm(device)
-
-
-@torch.compiler.assume_constant_result
-def _empty_groups_break_grouped_mm(device: torch.device) -> bool:
-    """torch's bf16 `_grouped_mm` on compute capability 10.x (B200) gives groups of no rows non-zero weight
-    gradients (pytorch #172439); Hopper and the CPU give zeros."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
-
-
-def pad_order(order: torch.Tensor, expert_of_row: torch.Tensor, counts: torch.Tensor, align: int,
-              bucket: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`order` [N] (the slot each row holds; rows sorted by expert: expert_of_row [N], counts [E]) laid out in a
-    buffer in which every expert's group starts at a multiple of `align`, as the low-precision grouped GEMMs need,
-    and holds at least `align` rows: an expert without tokens gets zero rows, whose weight gradient is exactly zero,
-    where a group of no rows gets a non-zero one from the bf16 `_grouped_mm` on B200 (pytorch #172439). torchao pads
-    empty groups to the alignment the same way. The dispatchers pad the order, not the rows: `gather_token_copies`
-    (or the blockwise FP8 GEMM's quantization, `TokenCopies`) then fills the buffer in one gather, padding rows (−1)
-    zero.
-
-    The buffer has M = round_up(N + E·align, align) rows, the most padding E groups can need, so no count reaches
-    the host; an expert-parallel rank that received no tokens (N = 0) still runs its grouped GEMMs on real rows:
-    their backward rejects an empty input on CUDA.
-    `bucket` rounds M further up to one of 16 sizes per octave (at most 1/16 more rows), for
-    dispatchers whose N changes every step: kernels specialised or autotuned per row count then see few of them.
-    The rows after the last group (on average half the E·align rows kept for padding) belong to no expert: the
-    grouped GEMMs skip them, leaving their outputs and gradients unwritten, and nothing reads those (the combine
-    and the gather's backward take only rows that hold a slot). Given to the last expert, they would be computed:
-    about 3% more expert rows at 32 experts and align 128. (torchtitan's padded permutation ends its groups so too.)
-    Returns (the padded order [M], −1 at padding rows; padded counts [E], summing to M or less).
-    """
-    n_experts = counts.numel()
-    size = order.numel() + n_experts * align
-    size = _bucketed(size, align) if bucket else -(-size // align) * align
-    padded = (counts.clamp(min=1) + align - 1) // align * align  # [E], an empty group a block of `align` rows
-    starts = padded.cumsum(0) - padded  # [E] group starts in the buffer
-    shift = starts - (counts.cumsum(0) - counts)  # [E] how far each group moves down
-    rows = torch.arange(order.numel(), device=order.device) + shift[expert_of_row]  # [N] buffer row of each row
-    return order.new_full((size,), -1).index_copy(0, rows, order), padded
-
-
-@torch.compiler.disable
-def _bucketed(size: int, align: int) -> int:
-    """`size` rounded up to one of 16 sizes per octave (and to `align`). Eager: under torch.compile the octave,
-    `bit_length`, would pin the row count and recompile for every new one."""
-    quantum = max(align, 1 << max(size.bit_length() - 5, 0))  # powers of two
-    return -(-size // quantum) * quantum
-
-
-class TokenCopies(NamedTuple):
-    """What a dispatcher hands the experts: their input rows as source[order // topk] (−1: a zero row), not yet
-    gathered. `GroupedExperts` gathers them (`gather_token_copies`), or, where its GEMM quantizes its input
-    (blockwise FP8: the GEMM has `takes_token_copies`), hands them to the GEMM, which gathers them as it quantizes
-    them. With `weights`, the experts return, instead of their rows, each token's weighted sum of its copies' rows
-    (`sum`), which a GEMM that quantizes its output's gradient (blockwise FP8: `sums_token_copies`) does itself, so
-    that its backward reads the rows' gradient from the tokens' as it quantizes it."""
-    source: torch.Tensor  # [T, D]
-    order: torch.Tensor  # [N] the slot (token, k) of each row, −1 for a padding row
-    topk: int
-    weights: torch.Tensor | None = None  # [T, K] the gate weight of each slot (junk where no row holds the slot)
-
-    def gather(self) -> torch.Tensor:
-        return gather_token_copies(self.source, self.order, self.topk)
-
-    def sum(self, rows: torch.Tensor) -> torch.Tensor:
-        """[N, D] rows in `order` → [T, D] token rows, y_t = Σ_k g_t,k · (the row in slot (t, k))."""
-        return combine_token_copies(rows, self.order, self.weights)
-
-
-def gather_token_copies(x: torch.Tensor, order: torch.Tensor, topk: int) -> torch.Tensor:
-    """x [T, D] → its token copies [N, D] in `order` (the flat (token, k) slot of each row, −1: a row of zeros, as
-    `pad_order`'s padding), as x[order // topk]. Slots that `order` leaves out (under DeepEP: experts on other
-    ranks) get no row. Backward, each token's gradient is the sum of its copies' rows, gathered (`_GatheredRows`)."""
-    return _GatheredRows.apply(x, order, topk)
-
-
-def row_of_slot(order: torch.Tensor, n_slots: int) -> torch.Tensor:
-    """The inverse of `order` (the slot each row holds, e.g. a flat (token, k) one): for each of `n_slots` slots,
-    the row that holds it, −1 where none does. Rows of slot −1 (padding) are written to a spare slot past the end,
-    then dropped: scatter takes no mask."""
-    rows = torch.full((n_slots + 1,), -1, dtype=order.dtype, device=order.device)
-    slot = torch.where(order >= 0, order, n_slots)
-    return rows.scatter(0, slot, torch.arange(order.numel(), device=order.device))[:n_slots]
-
-
-def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
-    """The dtype sums of bf16 rows run in: fp32, and fp64 for fp64 rows (the tests' exact references)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _sum_rows_of_slots(rows: torch.Tensor, row_of_slot: torch.Tensor,
-                       slot_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Σ_k rows[row_of_slot[:, k]] (· slot_weights[:, k]) per token [T, D], summed in fp32 (fp64 rows: fp64) and
-    returned in the rows' dtype; slots without a row (−1) add nothing. K gathers summed elementwise: one pointwise
-    kernel under inductor, where a sum over a [T, K, D] gather is a reduction over K that it tiles into blocks of a
-    few dozen outputs. An empty slot reads row 0 and is then deselected, not multiplied by 0: a non-finite row 0
-    stays its own token's."""
-    # the K columns by unbind, not range(row_of_slot.size(1)): traced inside a checkpoint, torch 2.11's dynamo
-    # returns every intermediate of an autograd.Function's forward, and fails (AssertionError) on that size
-    weights = slot_weights.unbind(1) if slot_weights is not None else [None] * row_of_slot.size(1)
-    total = 0
-    for row, weight in zip(row_of_slot.unbind(1), weights):
-        term = rows[row.clamp(min=0)].to(_at_least_fp32(rows.dtype))
-        if weight is not None:
-            term = term * weight[:, None]
-        total = total + torch.where((row >= 0)[:, None], term, 0.0)
-    return total.to(rows.dtype)
-
-
-class _GatheredRows(torch.autograd.Function):
-    """x[order // K]. Autograd's backward of an index scatters the [N, D] gradient back with atomic adds into a zero
-    buffer, in bf16; here each token gathers its K rows instead (`row_of_slot`) and sums them in fp32 (fp64 rows:
-    fp64): one kernel, no atomics, no zero fill, deterministic."""
-
-    @staticmethod
-    def forward(ctx, x, order, topk):
-        ctx.save_for_backward(order)
-        ctx.topk, ctx.n_tokens = topk, x.size(0)
-        if not x.size(0):  # an expert-parallel rank that received no tokens: padding rows only
-            return x.new_zeros(order.numel(), x.size(1))
-        return torch.where((order >= 0).unsqueeze(-1), x[order // topk], 0)  # slot −1 reads row −1, deselected
-
-    @staticmethod
-    def backward(ctx, grad_rows):
-        (order,) = ctx.saved_tensors
-        return sum_token_copies(grad_rows, order, ctx.topk, ctx.n_tokens), None, None
-
-
-def sum_token_copies(grad_rows: torch.Tensor, order: torch.Tensor, topk: int, n_tokens: int) -> torch.Tensor:
-    """The gradient of `gather_token_copies` [T, D]: each token's is the sum of its copies' rows' [N, D]."""
-    if not grad_rows.size(0):  # no row was gathered (EP: a rank that received no tokens): nothing to sum
-        return grad_rows.new_zeros(n_tokens, grad_rows.size(1))
-    rows_of_token = row_of_slot(order, n_tokens * topk).view(-1, topk)  # [T, K]
-    return _sum_rows_of_slots(grad_rows, rows_of_token)
-
-
-def combine_token_copies(rows: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """Undo the sort by expert and reduce each token's copies: y_t = Σ_k g_t,k · (the row in slot (t, k)).
-
-    rows [N, D]; order [N]: the flat (token, k) slot of each row, −1 for a padding row (which gets no gradient);
-    topk_weights [T, K]. Slots that hold no row (under DeepEP: experts on other ranks, whose weights are junk)
-    count as zero. T = 0 (EP: a rank that received no tokens) takes padding rows only, or none."""
-    rows_of_token = row_of_slot(order, topk_weights.numel()).view(topk_weights.shape)
-    return _WeightedRowSum.apply(rows, topk_weights, rows_of_token, order)
-
-
-class _WeightedRowSum(torch.autograd.Function):
-    """combine_token_copies (not twice differentiable). Both directions are gathers, which inductor fuses with the
-    weighting into one kernel each: the [T·K, D] token copies are never written out (a scatter back to token
-    order would be), and each row's gradient is its one slot's g_t,k · ∂y_t. Elementwise, not bmm: a [1, K] ×
-    [K, D] batched GEMM with K = 6 runs on a slow unaligned kernel."""
-
-    @staticmethod
-    def forward(ctx, rows, weights, row_of_slot, slot_of_row):
-        y, slot_weights = weighted_row_sum(rows, weights, row_of_slot)
-        ctx.save_for_backward(rows, slot_weights, row_of_slot, slot_of_row)
-        ctx.weights_dtype = weights.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        rows, slot_weights, row_of_slot, slot_of_row = ctx.saved_tensors
-        if not grad_y.size(0):  # no tokens (EP: a rank that received none): the rows, padding only, get none
-            return torch.zeros_like(rows), grad_y.new_zeros(row_of_slot.shape, dtype=ctx.weights_dtype), None, None
-        K = row_of_slot.size(1)
-        grad_y_of_row = grad_y[slot_of_row // K]  # [N, D]; a padding row (slot −1) reads the last slot's
-        grad_rows = torch.where((slot_of_row >= 0).unsqueeze(-1),
-                                grad_y_of_row * slot_weights.flatten()[slot_of_row].unsqueeze(-1), 0)
-        # ∂g_t,k = ⟨∂y_t, row⟩, reduced row by row in the rows' order, beside grad_rows (one kernel reads both)
-        wide = _at_least_fp32(rows.dtype)
-        grad_weight_of_row = (grad_y_of_row.to(wide) * rows.to(wide)).sum(dim=-1)  # [N]
-        return grad_rows, slot_gradients(grad_weight_of_row, row_of_slot, ctx.weights_dtype), None, None
-
-
-def weighted_row_sum(rows: torch.Tensor, weights: torch.Tensor, row_of_slot: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """y_t = Σ_k g_t,k · rows[row_of_slot[t, k]] [T, D], and the slots' weights [T, K] in the rows' dtype that it
-    multiplied (0 where no row holds the slot: the junk weights of other ranks' experts under DeepEP)."""
-    slot_weights = torch.where(row_of_slot >= 0, weights, 0.0).to(rows.dtype)
-    return _sum_rows_of_slots(rows, row_of_slot, slot_weights), slot_weights
-
-
-def slot_gradients(grad_of_row: torch.Tensor, row_of_slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Per-row values [N] (∂g = ⟨∂y_t, row⟩) → the slots' [T, K] in `dtype`, 0 where no row holds the slot."""
-    return torch.where(row_of_slot >= 0, grad_of_row[row_of_slot.clamp(min=0)], 0.0).to(dtype)
-
-
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts as stacked weights; one grouped GEMM per projection, no loop over experts."""
+    """E SwiGLU experts as stacked weights; one grouped GEMM per projection, no loop over experts.
+    A low precision swaps in a subclass whose `forward` runs them in its format (dsv3.lowp.quant), holding the same
+    weight Parameters, and sets the dispatcher's `align` to the row groups its GEMMs need."""
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int):
         super().__init__()
         # gate (w1) and up (w3) fused so one grouped GEMM reads the tokens once
         self.w13 = nn.Parameter(torch.empty(n_experts, 2 * inter_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
-        # (x [N, K], w [E, K, M] a transposed view of a contiguous [E, M, K] stack, group ends [E] int32) → [N, M]
-        # (one with `sums_token_copies` also takes `sum_copies=` and returns its [T, M] token sums); dsv3.quant swaps
-        # in a low-precision one (and sets the dispatcher's `align` to what it needs)
-        self.grouped_mm = grouped_mm
-        # name → that GEMM's own FP8 form of the weight, where something keeps it up to date (one GPU: the optimizer,
-        # dsv3.optim.ComputeCopies), passed to the GEMM after the weight; empty: the GEMM quantizes the weights itself
-        self.weight_blocks: dict[str, tuple[torch.Tensor, ...]] = {}
 
     def forward(self, x: torch.Tensor | TokenCopies, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [N, dim] sorted by expert, or a dispatcher's `TokenCopies` of such rows; tokens_per_expert [E] on
         device (zeros allowed). Returns [N, dim] rows, or, for copies with `weights`, [T, dim] token sums."""
-        copies = x if isinstance(x, TokenCopies) and x.weights is not None else None
-        if isinstance(x, TokenCopies) and not getattr(self.grouped_mm, "takes_token_copies", False):
-            x = x.gather()
-        w13, w2 = self.w13, self.w2
-        if isinstance(w13, DTensor):  # expert parallelism: compute with this rank's slice of the stacks
-            w13, w2 = w13.to_local(), w2.to_local()
+        rows = x.gather() if isinstance(x, TokenCopies) else x  # [N, dim]
+        w13, w2 = self.local_weights()
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)  # group ends, as _grouped_mm wants
-        blocks = self.weight_blocks
-        gate_up = self.grouped_mm(x, w13.transpose(-2, -1), offsets, *blocks.get("w13", ()))  # [N, 2I]
-        # a GEMM whose row quantization inductor fuses into SwiGLU's backward keeps that backward plain ops
-        triton_backward = not getattr(self.grouped_mm, "quantizes_in_inductor", False)
-        act = swiglu(gate_up, triton_backward)
-        if copies is not None and getattr(self.grouped_mm, "sums_token_copies", False):
-            return self.grouped_mm(act, w2.transpose(-2, -1), offsets, *blocks.get("w2", ()), sum_copies=copies)
-        rows = self.grouped_mm(act, w2.transpose(-2, -1), offsets, *blocks.get("w2", ()))  # [N, dim]
-        return rows if copies is None else copies.sum(rows)
+        act = swiglu(grouped_mm(rows, w13.transpose(-2, -1), offsets))  # [N, 2I] → [N, I]
+        out = grouped_mm(act, w2.transpose(-2, -1), offsets)  # [N, dim]
+        return x.sum(out) if isinstance(x, TokenCopies) and x.weights is not None else out
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2); under expert parallelism this rank's slice of the stacks."""
+        if isinstance(self.w13, DTensor):
+            return self.w13.to_local(), self.w2.to_local()
+        return self.w13, self.w2
 
 
 def swiglu(gate_up: torch.Tensor, triton_backward: bool = True) -> torch.Tensor:

@@ -14,41 +14,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dsv3.moe import GroupedExperts
+from dsv3.hashing import STRIDE, mix32, random_bits
 from dsv3.parallel import to_device
-from dsv3.quant import BLOCK, fp8_blockwise_grouped_mm
 
 
 def _flat_local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard as a 1-D view: updates write through, and parameters of one size share a compiled kernel
     whatever their shape."""
     return (t.to_local() if isinstance(t, DTensor) else t).view(-1)
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finaliser on int32 (wrapping arithmetic; `& mask` makes the shifts logical)."""
-    x = x ^ ((x >> 16) & 0xFFFF)
-    x = x * -2048144789  # 0x85EBCA6B
-    x = x ^ ((x >> 13) & 0x7FFFF)
-    x = x * -1028477387  # 0xC2B2AE35
-    return x ^ ((x >> 16) & 0xFFFF)
-
-
-_STRIDE = -1640531535  # 0x9E3779B1, the golden-ratio stride: consecutive elements' hash inputs
-
-
-def random_bits(like: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    """32 random bits (int32) per element of `like`, a hash of (seed, element index): counter-based, so it costs a
-    few integer ops where a Philox stream made the fused update compute-bound, and a step rounds the same way
-    whatever ran before it (an exact resume needs no RNG state)."""
-    index = torch.arange(like.numel(), device=like.device).view(like.shape)
-    return _mix32((index * _STRIDE + seed).int())
 
 
 def rounding_salt(index: int, param: torch.Tensor) -> int:
@@ -61,7 +41,7 @@ def rounding_salt(index: int, param: torch.Tensor) -> int:
     if isinstance(param, DTensor):
         first = param.__create_chunk_list__()[0].offsets  # this shard's first element, as DCP finds it
         offset = sum(o * math.prod(param.shape[d + 1:]) for d, o in enumerate(first))
-    return (int(_mix32(torch.tensor(index, dtype=torch.int32))) + offset * _STRIDE) % 2**32
+    return (int(mix32(torch.tensor(index, dtype=torch.int32))) + offset * STRIDE) % 2**32
 
 
 def round_to_bf16_stochastically(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -113,21 +93,24 @@ class ComputeCopies:
     remakes it when its parameter changed otherwise since (an init, a load: any in-place write, which bumps
     `_version`, or a new tensor bound to `p.data`). An in-place write through `p.data` is invisible to both: write
     parameters in place under `torch.no_grad()`, as `init_weights` and `load_state_dict` do.
-    The blockwise FP8 experts' weights (`quant.fp8_blockwise_grouped_mm`) get no bf16 copy: their copy is what the
-    GEMM reads, the e4m3 blocks of `fp8_kernels.fp8_weight_blocks` (`blocks_of`, handed to the experts'
-    `weight_blocks`), which the update writes while it holds each block. Their Parameter in the model then holds no
-    values (one zero, expanded), only the gradient.
+    A parameter that its module computes from in a form of its own (dsv3.lowp's blockwise FP8 experts: e4m3 blocks)
+    gets that form in place of a `dtype` copy, from `own_copy(module, name, p)` (the precision's:
+    `lowp.quant.own_compute_copy`), None for any other parameter: an object whose `write(weight)` remakes it from the
+    weight in `dtype`, and whose `adamw_update(p, grad, exp_avg, exp_avg_sq, *scalars)` is `adamw_update`'s step of p
+    that writes it in the same pass (`own_of`). Its Parameter in the model then holds no values (one zero, expanded),
+    only the gradient.
     Gradients land on the copies. With `active(accumulate=True)` (several micro-batches), each copy's gradient is
     added into its parameter's fp32 one as soon as backward has produced it, and freed at once, as FSDP's fp32
     reduce-scatter does: bf16 gradients never pile up beyond the block that backward is in."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, dtype: torch.dtype,
+                 own_copy: Callable[[nn.Module, str, nn.Parameter], Any] | None = None):
         self.slots = [(module, name, p) for module in model.modules()
                       for name, p in module._parameters.items() if p is not None]
-        self.blocks_of = {p: _weight_blocks(module, name, p) for module, name, p in self.slots
-                          if isinstance(module, GroupedExperts) and module.grouped_mm is fp8_blockwise_grouped_mm}
+        owns = {p: own_copy(module, name, p) for module, name, p in self.slots} if own_copy is not None else {}
+        self.own_of = {p: own for p, own in owns.items() if own is not None}
         self.copy_of = {p: nn.Parameter(torch.zeros((), dtype=dtype, device=p.device).expand(p.shape)
-                                        if p in self.blocks_of else torch.empty_like(p, dtype=dtype),
+                                        if p in self.own_of else torch.empty_like(p, dtype=dtype),
                                         requires_grad=p.requires_grad)
                         for _, _, p in self.slots}
         self._written_at: dict[nn.Parameter, tuple[int, int]] = {}  # p → (p._version, p.data_ptr()) at the write
@@ -147,11 +130,8 @@ class ComputeCopies:
         with torch.no_grad():
             for p, copy in self.copy_of.items():
                 if self._written_at.get(p) != self._stamp(p):
-                    if p in self.blocks_of:
-                        from dsv3.fp8_kernels import fp8_weight_blocks
-
-                        for blocks, made in zip(self.blocks_of[p], fp8_weight_blocks(p.to(copy.dtype))):
-                            blocks.copy_(made)
+                    if p in self.own_of:
+                        self.own_of[p].write(p.to(copy.dtype))
                     else:
                         copy.copy_(p)
                     self._written_at[p] = self._stamp(p)
@@ -187,16 +167,6 @@ class ComputeCopies:
     def zero_grad(self) -> None:
         for copy in self.copy_of.values():
             copy.grad = None
-
-
-def _weight_blocks(experts: GroupedExperts, name: str, p: nn.Parameter) -> tuple[torch.Tensor, ...]:
-    """Room for what `fp8_kernels.fp8_weight_blocks` makes of the expert stack `p` [E, M, K], given to `experts`."""
-    n_experts, m, k = p.shape
-    blocks = (torch.empty(p.shape, dtype=torch.float8_e4m3fn, device=p.device),
-              torch.empty(n_experts, k, m, dtype=torch.float8_e4m3fn, device=p.device),
-              torch.empty(n_experts, m // BLOCK, k // BLOCK, dtype=torch.float32, device=p.device))
-    experts.weight_blocks[name] = blocks
-    return blocks
 
 
 def _moments_back_to_state_dtype(optimizer: AdamW) -> None:
@@ -269,13 +239,10 @@ class AdamW(torch.optim.Optimizer):
                     values = to_device(torch.tensor(values, dtype=torch.float32), param.device)
                     scalars[key] = (*values.unbind(), scale, seed)
                 step_size, decay, bias_correction2_sqrt, scale, seed = scalars[key]
-                blocks = self.compute_copies.blocks_of.get(p) if self.compute_copies is not None else None
-                if blocks is not None:
-                    from dsv3.fp8_kernels import adamw_weight_blocks
-
-                    adamw_weight_blocks(p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], blocks,
-                                        step_size, decay, beta1, beta2, group["eps"], bias_correction2_sqrt, scale,
-                                        seed, self.salts[p])
+                own = self.compute_copies.own_of.get(p) if self.compute_copies is not None else None
+                if own is not None:
+                    own.adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], step_size, decay, beta1, beta2,
+                                     group["eps"], bias_correction2_sqrt, scale, seed, self.salts[p])
                     continue
                 update = _adamw_update_cuda if param.is_cuda else adamw_update
                 update(param, _flat_local(grad), _flat_local(state["exp_avg"]), _flat_local(state["exp_avg_sq"]),

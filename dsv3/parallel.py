@@ -21,10 +21,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-from dsv3 import dispatch, quant
+from dsv3 import dispatch
 from dsv3.config import UserError
+from dsv3.lowp import quant
 from dsv3.model import Transformer
-from dsv3.moe import LocalDispatcher, MoE
+from dsv3.moe import MoE
+from dsv3.token_copies import LocalDispatcher
 
 
 def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
@@ -81,7 +83,7 @@ def check_ep_backend(backend: str, ep: int, device: torch.device, deepep_sms: in
 def apply_expert_parallel(model: Transformer, meshes: Meshes, backend: str = "all_to_all",
                           deepep_sms: int = 24) -> None:
     """Shard each expert stack Shard(0) over `ep` and hand every MoE the `backend`'s dispatcher
-    (keeping the group alignment that dsv3.quant may have set on the local one)."""
+    (keeping the group alignment that dsv3.lowp.quant may have set on the local one)."""
     ep_mesh = meshes.experts["ep"]
     if backend == "deepep":  # check_ep_backend ran at start-up
         buffer = dispatch.get_buffer(ep_mesh.get_group(), model.cfg.dim, deepep_sms)
@@ -126,11 +128,9 @@ def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, red
 # Selective AC keeps what is expensive to recompute (GEMM and attention outputs), recomputes the rest. It sees
 # the ops that run, and inside a compiled MoE block inductor runs the dense GEMMs as `mm.out` into its own
 # buffers, which SAC cannot hand back: there those are recomputed, the grouped GEMMs and attention kept.
-# Under fp8 the GEMMs are the scaled ones (torchao's dense `_scaled_mm`, dsv3.quant's `_scaled_grouped_mm` and
+# Under fp8 the GEMMs are the scaled ones (torchao's dense `_scaled_mm`, dsv3.lowp.quant's `_scaled_grouped_mm` and
 # DeepGEMM's `fp8_block_grouped_mm`); their scales come from amax reductions (tensorwise `max`, rowwise `amax`) whose
 # small outputs are kept too, as torchtitan keeps `max`, so that recompute does not reduce whole activations again.
-# (At one GPU the tensorwise linears' amax is an `amax` in a compiled block (`quant.fusable_amax`), kept likewise;
-# eager, it is inside their cast, `dsv3::fp8_tensorwise`, recomputed with it.)
 _SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default,
              torch.ops.aten._scaled_mm.default, torch.ops.aten._scaled_grouped_mm.default,
              quant.fp8_block_grouped_mm._opoverload,
@@ -188,8 +188,8 @@ def apply_compile(model: Transformer, backend: str | Callable = "inductor") -> N
     dynamo runs a traced checkpoint with a graph break in it eagerly, whole. Inside, a recompile between a
     block's forward and its recompute (for the MTP block's shorter sequence, a new received-token count under EP)
     would make the recompute run another graph than the forward's, which selective AC rejects: where shapes
-    change within a step, shapes are dynamic from the first compile. Only there: dynamic kernels cost 9% of a
-    16B step on one H100 (selective AC, 82.1k against 89.8k tokens/s). Call after `apply_expert_parallel`."""
+    change within a step, shapes are dynamic from the first compile. Only there: dynamic kernels slow a 16B step
+    on one H100 (selective AC; README, "Performance"). Call after `apply_expert_parallel`."""
     # only the local dispatcher hands the experts the same number of rows every time
     shapes_change = len(model.mtp) > 0 or any(not isinstance(m.dispatcher, LocalDispatcher) for m in moe_layers(model))
     for block in model.blocks():

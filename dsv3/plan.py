@@ -22,8 +22,8 @@ from functools import cached_property
 from dsv3.config import Config, ModelConfig, UserError
 from dsv3.dispatch import SUPPORTED_EP
 from dsv3.metrics import attention_params, block_params, dense_and_expert_params, root_params
-from dsv3.model import LOSS_CHUNK
-from dsv3.quant import FEATURE_MULTIPLE
+from dsv3.loss import LOSS_CHUNK
+from dsv3.lowp.quant import FEATURE_MULTIPLE
 
 GIB = 2**30
 
@@ -62,8 +62,8 @@ GPUS: dict[str, GPU] = {
 INFINIBAND_GB_S = 50.0
 # assumed, not measured here: the share of a link's rate NCCL's ring all-gather and reduce-scatter reach
 COLLECTIVE_EFFICIENCY = 0.8
-# measured: our all_to_all reaches this share of the link rate (README, DeepEP: one 16B layer's four exchanges, 6.09
-# ms on 2 H200s)
+# measured: our all_to_all reaches this share of the link rate (README, DeepEP: one 16B layer's four exchanges on
+# 2 H200s)
 ALL_TO_ALL_EFFICIENCY = 0.29
 # Calibrated against the measured peaks (tests/test_plan.py pins them): the saved-tensor count below is what eager
 # autograd keeps; torch.compile keeps fewer (it recomputes cheap elementwise ops) while the caching allocator rounds
@@ -80,8 +80,8 @@ OPTIMIZER_HBM_EFFICIENCY = {"dsv3": 0.77, "torch": 0.53}
 # loss + idle time)
 OTHER_HBM_EFFICIENCY = 0.15
 # FSDP2's per-micro-batch casts and copies of the parameters into its unsharded buffers and of the gradients out
-# (fp32 → bf16 parameters, bf16 → fp32 gradients: 14 bytes each) reach this share: measured, 22 ms of a 165 ms step
-# of the 16B cut (2.26B parameters) on one H100 when it still ran under FSDP2 (README, Performance)
+# (fp32 → bf16 parameters, bf16 → fp32 gradients: 14 bytes each) reach this share: measured in a step of the 16B
+# cut (2.26B parameters) on one H100 when it still ran under FSDP2 (README, Performance)
 FSDP_CAST_HBM_EFFICIENCY = 0.43
 # routed tokens per rank vary around the balanced T·K: receive buffers and expert activations get headroom
 EP_HEADROOM = 1.25
@@ -285,7 +285,7 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
             if mode != "none":
                 add(line, f"{tl.name(b)}: recomputed in backward", recomputed, last, last)
 
-    # The chunked loss (dsv3.model.linear_cross_entropy): in its forward one chunk's bf16 logits and their gradient
+    # The chunked loss (dsv3.loss.linear_cross_entropy): in its forward one chunk's bf16 logits and their gradient
     # and, over several chunks, the head gradient accumulating in fp32; kept for backward its [T, D] input gradient
     # and bf16 head gradient, until autograd reaches it (the MTP losses first, then the main one).
     chunk, fp32_sum = min(T, LOSS_CHUNK), T > LOSS_CHUNK

@@ -43,7 +43,7 @@ PHASES = [
                            for op in ("scaled_", "fp8_block_grouped_mm"))),
     ("expert GEMMs", ("grouped", "group_gemm", "ptrarray", "groupproblem", "deep_gemm")),
     ("dense GEMMs", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")),
-    # Triton scale-and-cast kernels (dsv3.fp8_kernels' _fp8_weight_*, _fp8_group_*; torchao's _triton_fp8_*), eager
+    # Triton scale-and-cast kernels (dsv3.lowp.fp8_kernels' _fp8_weight_*, _fp8_group_*; torchao's _triton_fp8_*), eager
     # casts to e4m3 (FSDP's fp8 all-gather), inductor's fusions of the scales: rowwise amax → exp2(floor(log2)),
     # tensorwise max(abs)
     ("fp8 quantize", ("fp8", "e4m3", "amax", "abs_max", "exp2_floor_log2")),

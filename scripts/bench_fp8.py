@@ -1,7 +1,7 @@
 """Per-shape FP8 micro-benchmark on one GPU: `python scripts/bench_fp8.py --config configs/671b_3layer.toml
 [--recipes bf16,rowwise,...] [--iters 20] [--bandwidth TB/s] [--json PATH] [--section.key=value ...]`.
 
-For each distinct (in_features, out_features) of the dense linears dsv3.quant may convert at this config (at any
+For each distinct (in_features, out_features) of the dense linears dsv3.lowp.quant may convert at this config (at any
 width: this table is what train.fp8_min_features is set from), one linear's forward + backward over the tokens of a
 micro-batch, compiled, between two elementwise ops as in the model (a norm or SwiGLU makes its input, another op
 takes its output), so that inductor can fuse the activation and gradient quantization into them: bf16 beside each
@@ -28,7 +28,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dsv3 import quant  # noqa: E402
+from dsv3.lowp import quant  # noqa: E402
 from dsv3.config import UserError, load_config, run_main  # noqa: E402
 from dsv3.model import Transformer  # noqa: E402
 from dsv3.moe import GroupedExperts  # noqa: E402
@@ -38,7 +38,7 @@ RECIPES = ("bf16", "tensorwise", "rowwise")
 # Quantization's bandwidth floor for y = x Wᵀ, x [T, in], W [out, in], g = grad_out [T, out]: per operand
 # (bf16 reads, e4m3 writes), 2 B and 1 B an element each.
 #   tensorwise  one scale per tensor: an amax pass, then one read that writes both layouts the GEMMs take (forward
-#               GEMM, one backward GEMM), as dsv3's linear does at one GPU (quant.Fp8TensorwiseLinear)
+#               GEMM, one backward GEMM)
 #   rowwise     x along in (y) and T (dW); W along in (y) and out (dx); g along out (dx) and T (dW): per axis an amax
 #               pass and a cast
 FLOOR = {
@@ -54,7 +54,7 @@ def floor_bytes(recipe: str, tokens: int, in_features: int, out_features: int) -
 
 
 def fp8_linear(recipe: str, linear: nn.Linear) -> nn.Module:
-    """`linear` as dsv3.quant converts it for `recipe` (without FSDP: no fp8 all-gather)."""
+    """`linear` as dsv3.lowp.quant converts it for `recipe` (without FSDP: no fp8 all-gather)."""
     holder = nn.Sequential(linear)
     quant.convert_to_fp8_training(holder, ["0"], recipe, fp8_all_gather=False)
     return holder[0]
@@ -202,11 +202,10 @@ def main() -> None:
     for recipe in ("bf16", "rowwise"):
         def run(recipe: str = recipe) -> dict:
             torch.manual_seed(0)
-            experts = GroupedExperts(mcfg.n_routed_experts, mcfg.dim, mcfg.moe_inter_dim).to("cuda", torch.bfloat16)
+            experts_class = quant.Fp8RowwiseExperts if recipe == "rowwise" else GroupedExperts
+            experts = experts_class(mcfg.n_routed_experts, mcfg.dim, mcfg.moe_inter_dim).to("cuda", torch.bfloat16)
             nn.init.normal_(experts.w13, std=0.02)
             nn.init.normal_(experts.w2, std=0.02)
-            if recipe == "rowwise":
-                experts.grouped_mm = quant.fp8_rowwise_grouped_mm
             return measure(experts, (h, counts), args.iters, args.profile_iters)
 
         r = result["experts"][recipe] = guarded(f"experts {recipe}", run)

@@ -6,7 +6,7 @@
 The corpus is copies of this Python's standard library sources, each copy with a quarter of its identifiers
 renamed and its files shuffled, so that every copy is new text to BPE and its caches, written as --files
 .jsonl.zst files (one document per source file). sentencepiece (data/tokenizer.model) tokenizes all of it; a
-byte-level BPE trained here like `train_tokenizer.py --kind hf-bpe` encodes ~3× slower per core, so it takes
+byte-level BPE trained here like `train_tokenizer.py --kind hf-bpe` encodes slower per core, so it takes
 the first --hf-mb only. Every run is a fresh `python scripts/prepare_data.py` process timed from start to exit,
 and the datasets of all worker counts must be byte-identical. Prints a markdown table.
 """

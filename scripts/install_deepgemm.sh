@@ -84,7 +84,7 @@ then
   "$PYTHON" - <<'EOF'
 import torch
 
-from dsv3.quant import fp8_blockwise_grouped_mm
+from dsv3.lowp.quant import fp8_blockwise_grouped_mm
 
 torch.manual_seed(0)
 x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)

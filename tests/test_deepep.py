@@ -18,7 +18,8 @@ import train
 from dsv3 import dispatch, parallel
 from dsv3.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from dsv3.dispatch import DeepEPDispatcher, expert_rows
-from dsv3.moe import GroupedExperts, LocalDispatcher, MoE, combine_token_copies
+from dsv3.moe import GroupedExperts, MoE
+from dsv3.token_copies import LocalDispatcher, combine_token_copies
 from conftest import free_port, torchrun_env
 
 E, K, D, INTER, T = 8, 3, 16, 32, 12  # experts, top-k, dim, expert hidden, tokens per rank
@@ -45,8 +46,7 @@ def make_experts(seed: int = 0) -> GroupedExperts:
 
 def run_experts(experts: GroupedExperts, lo: int, hi: int, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Experts [lo, hi) of the stack, as an EP rank holding only those runs them."""
-    local = SimpleNamespace(w13=experts.w13[lo:hi], w2=experts.w2[lo:hi], grouped_mm=experts.grouped_mm,
-                            weight_blocks={})
+    local = SimpleNamespace(local_weights=lambda: (experts.w13[lo:hi], experts.w2[lo:hi]))
     return GroupedExperts.forward(local, x, counts)
 
 

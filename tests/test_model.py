@@ -336,7 +336,7 @@ def test_one_training_backward_gives_every_parameter_a_gradient():
 def test_chunked_linear_cross_entropy_is_the_full_one(device, chunk, factor):
     # 200 tokens in chunks of 64 (a short last chunk; on CUDA in bf16, the head's gradient summed over chunks in
     # fp32 by the GEMM itself) or in one chunk of 256; a loss gradient of 1 skips the scaling on CUDA
-    from dsv3.model import linear_cross_entropy
+    from dsv3.loss import linear_cross_entropy
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     generator = torch.Generator().manual_seed(0)

@@ -11,8 +11,8 @@ from torch.utils.checkpoint import checkpoint
 
 from dsv3.config import ModelConfig
 from dsv3.model import Block, rope_frequencies
-from dsv3.moe import (GroupedExperts, MoE, Router, combine_token_copies, gather_token_copies, sequence_balance_loss,
-                      swiglu, uniform_topk, update_expert_bias)
+from dsv3.moe import GroupedExperts, MoE, Router, sequence_balance_loss, swiglu, uniform_topk, update_expert_bias
+from dsv3.token_copies import combine_token_copies, gather_token_copies
 
 
 def moe_config(**overrides) -> ModelConfig:

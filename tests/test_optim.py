@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from dsv3 import optim, parallel
+from dsv3 import hashing, optim, parallel
 from dsv3.config import FLAVORS, Config, TrainConfig
 from dsv3.model import Transformer
 from dsv3.moe import GroupedExperts
@@ -67,7 +67,7 @@ def test_grad_scale_in_the_step_equals_clip_then_step():
 
 def test_stochastic_bf16_rounding_lands_on_a_neighbour_and_is_unbiased():
     x = torch.full((200_000,), 1.0 + 2 ** -9)  # a quarter of the way from 1 to the next bf16, 1 + 2⁻⁷
-    noise = optim.random_bits(x, torch.tensor(7)) & 0xFFFF
+    noise = hashing.random_bits(x, torch.tensor(7)) & 0xFFFF
     rounded = optim.round_to_bf16_stochastically(x, noise).float()
     assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2 ** -7}
     assert abs(rounded.mean().item() - x[0].item()) < 2e-5  # nearest rounding would give 1.0 every time
@@ -77,12 +77,12 @@ def test_stochastic_bf16_rounding_lands_on_a_neighbour_and_is_unbiased():
 
 def test_random_bits_are_uniform_in_both_halves_and_new_for_each_seed():
     like = torch.empty(1 << 16)
-    bits = optim.random_bits(like, torch.tensor(12345))
+    bits = hashing.random_bits(like, torch.tensor(12345))
     for half in (bits & 0xFFFF, (bits >> 16) & 0xFFFF):  # m's and v's noise
         counts = torch.bincount(half >> 12, minlength=16).float()  # 16 buckets of 4096 each expected
         assert ((counts - 4096) ** 2 / 4096).sum() < 50  # χ², 15 degrees of freedom: 50 is p < 1e-5
-    assert (bits != optim.random_bits(like, torch.tensor(12346))).float().mean() > 0.99
-    assert torch.equal(bits, optim.random_bits(like, torch.tensor(12345)))
+    assert (bits != hashing.random_bits(like, torch.tensor(12346))).float().mean() > 0.99
+    assert torch.equal(bits, hashing.random_bits(like, torch.tensor(12345)))
 
 
 def _bf16_moments_after_one_step(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
@@ -198,7 +198,7 @@ def test_the_blockwise_experts_update_is_adamw_update_writing_the_fp8_blocks_of_
     rounding included), and, in place of the bf16 copy, fp8_weight_blocks of that copy, bit for bit."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("e4m3 needs compute capability >= 8.9")
-    from dsv3.fp8_kernels import adamw_weight_blocks, fp8_weight_blocks
+    from dsv3.lowp.fp8_kernels import adamw_weight_blocks, fp8_weight_blocks
 
     torch.manual_seed(0)
     shape = (3, 256, 384)
@@ -229,7 +229,7 @@ def test_one_gpu_blockwise_experts_compute_with_fp8_blocks_the_optimizer_writes(
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("DeepGEMM's FP8 kernels here are Hopper's")
     pytest.importorskip("deep_gemm", reason="scripts/install_deepgemm.sh builds it")
-    from dsv3.fp8_kernels import fp8_weight_blocks
+    from dsv3.lowp.fp8_kernels import fp8_weight_blocks
 
     cfg = Config(model={"n_layers": 2, "max_seq_len": 64, "moe_inter_dim": 128},
                  train=TrainConfig(global_batch=4, micro_batch=2, seq_len=64, lr=3e-3, warmup_steps=0, steps=10,
@@ -238,15 +238,15 @@ def test_one_gpu_blockwise_experts_compute_with_fp8_blocks_the_optimizer_writes(
     model = build_model(cfg, 1, device)
     copies = model.compute_copies
     stacks = [m for m in model.modules() if isinstance(m, GroupedExperts)]  # the MoE layer's and the MTP module's
-    assert len(stacks) == 2 and set(copies.blocks_of) == {p for m in stacks for p in (m.w13, m.w2)}
-    assert all(copies.copy_of[p].stride() == (0, 0, 0) for p in copies.blocks_of)
+    assert len(stacks) == 2 and set(copies.own_of) == {p for m in stacks for p in (m.w13, m.w2)}
+    assert all(copies.copy_of[p].stride() == (0, 0, 0) for p in copies.own_of)
     optimizer = build_optimizer(model, cfg.train, device)
     batch = torch.randint(0, FLAVORS["debug"].vocab_size, (4, 65), device=device)
     losses = []
     for step in range(1, 11):
         losses.append(train_step(model, optimizer, batch, cfg.train, step)[0][0].item())
-        for p, blocks in copies.blocks_of.items():
-            assert _same_blocks(blocks, fp8_weight_blocks(p.to(torch.bfloat16)))
+        for p, own in copies.own_of.items():
+            assert _same_blocks(own.blocks, fp8_weight_blocks(p.to(torch.bfloat16)))
     assert losses[-1] < 0.8 * losses[0]
 
 

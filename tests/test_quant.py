@@ -1,4 +1,4 @@
-"""Low precision (paper §3.3, dsv3.quant): what gets converted, how close the numerics stay to bf16,
+"""Low precision (paper §3.3, dsv3.lowp.quant): what gets converted, how close the numerics stay to bf16,
 routed-expert token groups padded without changing results or reading anything on the host, the start-up
 checks; on a GPU, short training runs in each mode."""
 
@@ -18,11 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv3 import moe as moe_module
-from dsv3 import parallel, quant
+from dsv3 import parallel, token_copies
 from dsv3.config import FLAVORS, load_config
+from dsv3.lowp import quant
 from dsv3.model import RMSNorm, Transformer
-from dsv3.moe import (MLP, GroupedExperts, MoE, Router, TokenCopies, gather_token_copies, grouped_mm, pad_order,
-                      row_of_slot)
+from dsv3.moe import MLP, GroupedExperts, MoE, Router, grouped_mm
+from dsv3.token_copies import TokenCopies, gather_token_copies, pad_order, row_of_slot
 from conftest import free_port, leave_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +80,7 @@ def test_only_trunk_linears_are_converted_and_names_are_unchanged(precision, exp
     low = expert_precision == "low"
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         assert moe.dispatcher.align == (quant.GROUP_ALIGN[precision] if low else 1)
-        assert (moe.experts.grouped_mm is grouped_mm) != low
+        assert (type(moe.experts) is GroupedExperts) != low
 
 
 def test_precision_skip_keeps_the_named_linears_bf16():
@@ -154,6 +155,7 @@ def test_the_shape_rule_is_fp8_only():
 
 
 def test_fp8_recipes_configure_torchao_and_keep_the_weight_parameters():
+    from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
@@ -170,74 +172,7 @@ def test_fp8_recipes_configure_torchao_and_keep_the_weight_parameters():
     assert isinstance(sharded.weight, WeightWithDynamicFloat8CastTensor)
     weight, unsharded = convert("tensorwise", fsdp=False)  # no FSDP: no all-gather, no weight subclass
     assert unsharded.weight is weight and type(unsharded.weight) is nn.Parameter
-    assert type(unsharded) is quant.Fp8TensorwiseLinear  # dsv3's own, with torchao's numerics (below)
-
-
-@pytest.mark.parametrize("device,compiled", [("cpu", False), ("cpu", True),
-                                             pytest.param("cuda", True, marks=pytest.mark.gpu)])
-def test_tensorwise_linears_give_torchaos_bits_and_save_their_operands_in_fp8(device, compiled):
-    """One GPU (no FSDP): dsv3's tensorwise linear casts x, W and the output gradient once into both layouts its GEMMs
-    read, where torchao's Float8Linear saves bf16 x and W and casts them again; the same output and gradients, bit for
-    bit (on the CPU through torchao's CPU `_scaled_mm`), eager and compiled (where the amax of x and of the output
-    gradient are torch ops in the graph, `quant.fusable_amax`)."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    torch.manual_seed(0)
-    theirs = nn.Sequential(nn.Linear(64, 96, bias=False)).to(device, torch.bfloat16)
-    ours = copy.deepcopy(theirs)
-    convert_to_float8_training(theirs, config=Float8LinearConfig.from_recipe_name("tensorwise"))
-    quant.convert_to_fp8_training(ours, ["0"], "tensorwise", fp8_all_gather=False)
-    assert isinstance(ours[0], quant.Fp8TensorwiseLinear) and ours[0].weight.dtype == torch.bfloat16
-    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, device=device) * 3
-    grad_out = torch.randn(2, 16, 96, dtype=torch.bfloat16, device=device)
-    results = []
-    for model in (theirs, ours):
-        step = torch.compile(model) if compiled else model
-        saved = []
-        x_model = x.clone().requires_grad_()
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            out = step(x_model)
-        out.backward(grad_out)
-        results.append((out, x_model.grad, model[0].weight.grad, saved))
-    (out, grad_x, grad_w, _), (our_out, our_grad_x, our_grad_w, saved) = results
-    assert torch.equal(our_out, out) and torch.equal(our_grad_x, grad_x) and torch.equal(our_grad_w, grad_w)
-    if not compiled:  # eager autograd shows what the function saves: x and W transposed, in e4m3, and no bf16 copy
-        assert sorted(tuple(t.shape) for t in saved if t.dtype == torch.float8_e4m3fn) == [(64, 32), (64, 96)]
-        assert not any(t.dtype == torch.bfloat16 and t.dim() == 2 for t in saved)
-
-
-@pytest.mark.gpu
-def test_the_tensorwise_kernel_gives_the_torch_ops_bits_in_both_layouts_and_keeps_nan():
-    """`fp8_kernels.fp8_tensorwise` against `quant.to_fp8_tensorwise`'s torch ops (on the CPU): partial tiles, a
-    transposed input, e4m3 and e5m2, its own amax pass or a given amax (bf16, as a compiled graph's fused amax is),
-    bit for bit; a NaN anywhere makes every output NaN and an inf makes the scale 0, as torch's max and clamp do, so
-    that the divergence guard sees a non-finite gradient norm."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from dsv3.fp8_kernels import fp8_tensorwise
-
-    torch.manual_seed(0)
-    for rows, cols in ((4097, 129), (33, 8200)):
-        x = (torch.randn(cols, rows, device="cuda", dtype=torch.bfloat16) * 3).t()  # [rows, cols], not contiguous
-        for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            torchs = quant.to_fp8_tensorwise(x.cpu(), dtype)
-            for amax in (None, x.abs().amax(-1).amax()):
-                ours = fp8_tensorwise(x, amax, dtype == torch.float8_e5m2)
-                assert [t.shape for t in ours] == [(rows, cols), (cols, rows), ()]
-                for mine, theirs in zip(ours, torchs):
-                    assert torch.equal(mine.cpu().view(torch.uint8 if mine.dim() else torch.int32),
-                                       theirs.view(torch.uint8 if theirs.dim() else torch.int32))
-    x = torch.randn(300, 200, device="cuda", dtype=torch.bfloat16)
-    x[7, 5] = float("nan")
-    for amax in (None, x.abs().amax()):
-        x8, x8_t, scale = fp8_tensorwise(x, amax)
-        assert scale.isnan() and x8.float().isnan().all() and x8_t.float().isnan().all()
-    x[7, 5] = float("-inf")
-    for amax in (None, x.abs().amax()):
-        x8, x8_t, scale = fp8_tensorwise(x, amax)
-        assert scale == 0 and x8.float().isnan().sum() == 1 and x8_t.float()[5, 7].isnan()
+    assert type(unsharded) is Float8Linear  # torchao's, as under FSDP2
 
 
 # ------------------------------------------------------------------------------------------- numerics
@@ -289,8 +224,8 @@ def test_mxfp8_emulated_experts_follow_the_bf16_experts():
     with torch.no_grad():
         experts.w13.normal_(std=0.05)
         experts.w2.normal_(std=0.05)
-    low = copy.deepcopy(experts)
-    low.grouped_mm = lambda x, w, offsets: quant.mxfp8_grouped_mm(x, w, offsets, emulated=True)
+    low = quant.MXFP8Experts(8, CFG.dim, CFG.moe_inter_dim, emulated=True).to(torch.bfloat16)
+    low.load_state_dict(experts.state_dict())
     x = torch.randn(256, CFG.dim, dtype=torch.bfloat16)
     counts = torch.tensor([64, 0, 32, 32, 0, 96, 0, 32])  # multiples of 32, empty experts included
     y_ref, y = experts(x, counts).float(), low(x, counts).float()
@@ -302,8 +237,8 @@ def test_mxfp8_emulated_experts_follow_the_bf16_experts():
 def test_mxfp8_emulated_imports_torchao_without_its_enum_deprecation_warnings():
     """torchao 0.18 registers its config enums as pytree constants, which torch 2.13 deprecates with a warning per
     enum when torchao is imported: a fresh process, so that nothing imported torchao before."""
-    code = ("import torch; from dsv3 import quant; from dsv3.config import FLAVORS; from dsv3.model import Transformer;"
-            "model = Transformer(FLAVORS['debug']);"
+    code = ("import torch; from dsv3.lowp import quant; from dsv3.config import FLAVORS;"
+            "from dsv3.model import Transformer; model = Transformer(FLAVORS['debug']);"
             "quant.check_precision('mxfp8-emulated', 'low', torch.device('cpu'));"
             "quant.apply(model, 'mxfp8-emulated', 'low'); print(type(model.layers['0'].attn.wo).__name__)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -350,7 +285,7 @@ def test_fp8_blockwise_experts_swap_the_grouped_gemm_at_any_dense_precision():
     model = Transformer(replace(CFG, moe_inter_dim=128))
     assert quant.apply(model, "bf16", "fp8-blockwise") == []
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    assert moes and all(m.experts.grouped_mm is quant.fp8_blockwise_grouped_mm for m in moes)
+    assert moes and all(type(m.experts) is quant.Fp8BlockwiseExperts for m in moes)
     assert all(m.dispatcher.align == 128 for m in moes)
     with pytest.raises(ValueError, match=r"expert_precision=fp8-blockwise needs model.dim \(128\) and "
                                          r"model.moe_inter_dim \(64\) divisible by 128"):
@@ -473,15 +408,16 @@ def test_experts_without_tokens_get_zero_weight_gradients_from_a_grouped_gemm_th
         align, monkeypatch):
     """Where the bf16 grouped GEMM needs it (B200, emulated here) and for the low-precision ones (align > 1), an
     expert without tokens gets a block of zero rows: its weight gradient is exactly zero and nothing else changes."""
-    monkeypatch.setattr(moe_module, "_empty_groups_break_grouped_mm", lambda device: True, raising=False)
+    monkeypatch.setattr(token_copies, "_empty_groups_break_grouped_mm", lambda device: True)
+    monkeypatch.setattr(moe_module, "grouped_mm", b200_grouped_mm)
     moe, padded = moe_layer(align=1), moe_layer(align=align)
-    padded.experts.grouped_mm = b200_grouped_mm
     for m in (moe, padded):  # experts 1, 5 and the last never chosen
         m.gate.expert_bias[[1, 5, 7]] = -100.0
     x = torch.randn(2, 40, CFG.dim)
     r = torch.randn(2, 40, CFG.dim)
     with monkeypatch.context() as plain:  # the reference: the CPU's grouped GEMM, no padding
-        plain.setattr(moe_module, "_empty_groups_break_grouped_mm", lambda device: False, raising=False)
+        plain.setattr(token_copies, "_empty_groups_break_grouped_mm", lambda device: False)
+        plain.setattr(moe_module, "grouped_mm", grouped_mm)
         out_ref = moe(x)
         (out_ref.y * r).sum().backward()
     out = padded(x)
@@ -526,7 +462,7 @@ def _ep_worker(rank: int, world: int, port: int, out_path: str) -> None:
     model = Transformer(cfg)
     reference = copy.deepcopy(model)  # one process, unpadded groups
     for moe in parallel.moe_layers(model):
-        moe.dispatcher.align = 32  # as dsv3.quant sets it, before expert parallelism
+        moe.dispatcher.align = 32  # as dsv3.lowp.quant sets it, before expert parallelism
     parallel.apply_expert_parallel(model, parallel.build_meshes("cpu", world, world))
     tokens = torch.randint(0, cfg.vocab_size, (2 * world, 17), generator=torch.Generator().manual_seed(1))
     local = tokens[2 * rank:2 * rank + 2]
@@ -666,8 +602,8 @@ def test_fp8_rowwise_experts_follow_the_bf16_experts_on_cuda():
     with torch.no_grad():
         experts.w13.normal_(std=0.05)
         experts.w2.normal_(std=0.05)
-    low = copy.deepcopy(experts)
-    low.grouped_mm = quant.fp8_rowwise_grouped_mm
+    low = quant.Fp8RowwiseExperts(8, CFG.dim, CFG.moe_inter_dim).to("cuda", torch.bfloat16)
+    low.load_state_dict(experts.state_dict())
     x = torch.randn(256, CFG.dim, device="cuda", dtype=torch.bfloat16)
     counts = torch.tensor([64, 0, 32, 16, 16, 96, 0, 32], device="cuda")  # multiples of 16
     y_ref, y = experts(x, counts), low(x, counts)
@@ -683,7 +619,7 @@ def test_fp8_rowwise_experts_follow_the_bf16_experts_on_cuda():
 def test_fp8_tiles_scale_each_1x128_tile_by_a_power_of_two_that_fills_e4m3():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("Triton's e4m3 needs compute capability >= 8.9")
-    from dsv3.fp8_kernels import fp8_tiles
+    from dsv3.lowp.fp8_kernels import fp8_tiles
 
     torch.manual_seed(0)
     # 326 rows: the last of 3 programs of 128 rows is part-filled, its last step of TILE_ROWS too
@@ -705,7 +641,7 @@ def test_fp8_tiles_scale_each_1x128_tile_by_a_power_of_two_that_fills_e4m3():
 def test_fp8_weight_blocks_quantize_each_128x128_block_and_its_transpose_from_one_scale():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("Triton's e4m3 needs compute capability >= 8.9")
-    from dsv3.fp8_kernels import fp8_weight_blocks
+    from dsv3.lowp.fp8_kernels import fp8_weight_blocks
 
     torch.manual_seed(0)
     w = (torch.randn(3, 256, 384, device="cuda") * torch.logspace(-2, 2, 384, device="cuda")).bfloat16()
@@ -783,7 +719,7 @@ def test_fp8_weight_kernels_quantize_each_axis_as_to_fp8_rowwise(shape):
     M and stored transposed (input gradient): bit for bit what `to_fp8_rowwise` makes of the rows of W and Wᵀ."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability >= 8.9")
-    from dsv3.fp8_kernels import fp8_weight_cols, fp8_weight_rows
+    from dsv3.lowp.fp8_kernels import fp8_weight_cols, fp8_weight_rows
 
     torch.manual_seed(0)
     n_experts, m, k = shape
@@ -804,7 +740,7 @@ def test_fp8_group_kernel_quantizes_each_groups_columns_as_to_fp8_rowwise():
     bit what `to_fp8_rowwise` makes of the group's transposed rows; an empty group included."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability >= 8.9")
-    from dsv3.fp8_kernels import fp8_group_cols
+    from dsv3.lowp.fp8_kernels import fp8_group_cols
 
     torch.manual_seed(0)
     sizes = [48, 0, 640, 16, 272]  # groups longer and shorter than the kernel's block of 256 rows
@@ -827,7 +763,7 @@ def test_fp8_group_kernel_takes_its_scales_from_the_tiles_column_amaxes():
     under DeepGEMM, here NaN) reach no scale."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability >= 8.9")
-    from dsv3.fp8_kernels import fp8_group_cols, fp8_tiles
+    from dsv3.lowp.fp8_kernels import fp8_group_cols, fp8_tiles
 
     torch.manual_seed(0)
     sizes = [256, 128, 640, 128]
@@ -846,7 +782,7 @@ def test_fp8_quantization_kernels_gather_rows_as_they_read_them_bit_for_bit():
     (x[source_rows], zero rows at −1); the rows are never written out in bf16."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("Triton's e4m3 needs compute capability >= 8.9")
-    from dsv3.fp8_kernels import fp8_group_cols, fp8_tiles
+    from dsv3.lowp.fp8_kernels import fp8_group_cols, fp8_tiles
 
     torch.manual_seed(0)
     x = (torch.randn(200, 384, device="cuda") * torch.logspace(-3, 3, 384, device="cuda")).bfloat16()

@@ -1,10 +1,9 @@
 """Triton kernels that quantize the routed experts' operands for their FP8 grouped GEMMs
 (`quant.fp8_rowwise_grouped_mm`, `quant.fp8_blockwise_grouped_mm`) where inductor cannot: the weights along each
 axis or in blocks, the token rows in 1×128 tiles, and the weight gradient's token rows along the tokens of each
-expert's group; and the tensorwise dense linears' operands (`quant.Fp8TensorwiseLinear`). (The token rows'
-whole-row scales are plain torch ops, fused by inductor into the kernels that make them.) The experts' scales are
-powers of two, 2^⌊log2(448 / amax)⌋, as `quant.to_fp8_rowwise`'s and torchao's, and the rowwise results are theirs
-bit for bit.
+expert's group. (The token rows' whole-row scales are plain torch ops, fused by inductor into the kernels that make
+them.) The scales are powers of two, 2^⌊log2(448 / amax)⌋, as `quant.to_fp8_rowwise`'s and torchao's, and the
+rowwise results are theirs bit for bit.
 
 Weights: the forward GEMM needs each expert's W [M, K] (K contiguous) scaled along K, one scale per row; the input
 gradient's GEMM needs Wᵀ scaled along M, one scale per column, stored transposed. torchao 0.18's kernels read W
@@ -21,7 +20,7 @@ back and quantize.
 Tiles (`quant.fp8_blockwise_grouped_mm`): one scale per 1×128 tile of a token row, read once. As plain torch ops
 inductor split them into an amax kernel and a cast kernel, some of them below half the bandwidth. While the kernel
 reads the rows, it records each column's amax over each block of 128 rows, for the token groups' scales. The
-experts' input rows it gathers from the dispatcher's source as it reads them (`moe.TokenCopies`), as the token
+experts' input rows it gathers from the dispatcher's source as it reads them (`token_copies.TokenCopies`), as the token
 groups' kernel does in the backward: those rows are never written in bf16. Nor is the gradient of the experts'
 output rows, where the experts sum them per token (y_t = Σ_k g_t,k · row): both kernels read it as ∂y_t · g_t,k, and
 the tiles' kernel also makes ∂g_t,k = ⟨∂y_t, row⟩ as it reads ∂y_t (`fp8_tiles_of_weighted_rows`).
@@ -32,30 +31,19 @@ then a cast pass, 256 rows at a time: of the launches tried on an H200 (README, 
 tiles' kernel has read the operand (blockwise experts, whose groups are whole blocks of 128 rows), its column amaxes
 replace the amax pass.
 
-Tensorwise (`fp8_tensorwise`): each GEMM operand of a dense linear (x, W, the output gradient) is read by two GEMMs,
-row-major by one and transposed by the other, with one scale. One read that writes both layouts, after an amax pass
-(6 bytes per element) or, given the amax, without one: inside a compiled graph, inductor fuses the amax of x and of
-the output gradient into the kernels that make them (`quant.Fp8TensorwiseLinear`). Inductor, given the casts in torch
-ops (torchao's Float8Linear), wrote the transposed layout in a pass of its own, well under the bandwidth (README,
-"Precision").
-
-Imported only when FP8 experts or tensorwise linears run: it needs triton and a CUDA GPU.
+Imported only when FP8 experts run: it needs triton and a CUDA GPU.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from dsv3.quant import BLOCK
+from dsv3.lowp import BLOCK
 
 TILE_ROWS, TILE_WARPS = 16, 2  # rows of one step of the 1×128 tile kernel (its programs take BLOCK rows), its warps
 ROWS_PER_PROGRAM = 128  # rows of one expert per program of the forward kernel: its column amaxes are [E, M / 128, K]
-BOTH_LAYOUTS_TILE = (128, 128, 4)  # rows, columns and warps of a program of the tensorwise cast
-AMAX_BLOCK = 4096  # elements of one step of the tensorwise amax pass
 ADAMW_ROWS, ADAMW_WARPS = 16, 16  # rows of one step of the blockwise AdamW's update, and its warps (of 21, H200)
 
 
@@ -69,18 +57,12 @@ def _pow2_scale(amax):
 
 
 @triton.jit
-def _to_fp8(x, scale, E5M2: tl.constexpr):
-    """x · scale in e4m3 (or e5m2): computed in fp32 and clamped to the format's max (448, 57344) before the cast, as
-    the torch expressions the kernels match bit for bit (`quant.to_fp8_rowwise`, torchao's) do; a NaN stays NaN, as
-    through torch's clamp (Triton's default clamp makes it ±max)."""
-    top: tl.constexpr = 57344.0 if E5M2 else 448.0
-    return tl.clamp(x.to(tl.float32) * scale, -top, top,
-                    propagate_nan=tl.PropagateNan.ALL).to(tl.float8e5 if E5M2 else tl.float8e4nv)
-
-
-@triton.jit
 def _to_e4m3(x, scale):
-    return _to_fp8(x, scale, False)
+    """x · scale in e4m3: computed in fp32 and clamped to the format's max (448) before the cast, as the torch
+    expressions the kernels match bit for bit (`quant.to_fp8_rowwise`, torchao's) do; a NaN stays NaN, as through
+    torch's clamp (Triton's default clamp makes it ±max)."""
+    top: tl.constexpr = 448.0
+    return tl.clamp(x.to(tl.float32) * scale, -top, top, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -180,7 +162,7 @@ def _fp8_weight_blocks_kernel(w_ptr, out_ptr, out_t_ptr, inv_scales_ptr, M, K, B
     w = tl.load(w_ptr + base + rows[:, None] * K + cols[None, :])
     scale = _pow2_scale(tl.max(tl.max(tl.abs(w.to(tl.float32)), axis=1), axis=0))
     tl.store(out_ptr + base + rows[:, None] * K + cols[None, :], _to_e4m3(w, scale))
-    # transposed in bf16, then cast: transposing the e4m3 block was 1.3x slower (H200)
+    # transposed in bf16, then cast: transposing the e4m3 block was slower (H200)
     tl.store(out_t_ptr + base + cols[:, None] * M + rows[None, :], _to_e4m3(tl.trans(w), scale))
     tl.store(inv_scales_ptr + (expert * (M // BLOCK) + block_row) * (K // BLOCK) + block_col, 1.0 / scale)
 
@@ -208,77 +190,8 @@ def _(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _abs_max_kernel(x_ptr, amax_bits_ptr, numel, BLOCK: tl.constexpr):
-    """max |x| into an int32 holding an fp32's bits: for |x| ≥ 0 their integer order is the floats' order, with a
-    NaN's bits above inf's, so that a NaN anywhere makes the amax NaN, as torch's max does (float max drops NaN)."""
-    amax = tl.zeros([BLOCK], tl.int32)
-    for start in range(tl.program_id(0).to(tl.int64) * BLOCK, numel, tl.num_programs(0) * BLOCK):
-        offsets = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x).to(tl.int32, bitcast=True))
-    tl.atomic_max(amax_bits_ptr, tl.max(amax, axis=0))
-
-
-@triton.jit
-def _fp8_both_layouts_kernel(x_ptr, amax_ptr, out_ptr, out_t_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr,
-                             BLOCK_K: tl.constexpr, E5M2: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
-    top = 57344.0 if E5M2 else 448.0
-    # torchao's scale: top / amax in fp64 (an fp64 division is correctly rounded in Triton), rounded to fp32; a NaN
-    # amax (or element) stays NaN through the max and the clamp, as through torch's, for the divergence guard to see
-    amax = tl.maximum(tl.load(amax_ptr).to(tl.float32).to(tl.float64), 1e-12,
-                      propagate_nan=tl.PropagateNan.ALL)
-    scale = (tl.full([], top, tl.float64) / amax).to(tl.float32)
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-        tl.store(scale_ptr, scale)
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], _to_fp8(x, scale, E5M2), mask=mask)
-    # transposed in bf16, then cast, as `_fp8_weight_blocks_kernel`
-    tl.store(out_t_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], _to_fp8(tl.trans(x), scale, E5M2),
-             mask=tl.trans(mask))
-
-
-@torch.library.custom_op("dsv3::fp8_tensorwise", mutates_args=(), tags=(torch.Tag.flexible_layout,))
-def fp8_tensorwise(x: torch.Tensor, amax: torch.Tensor | None = None, e5m2: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] → (fp8 [M, K], fp8 [K, M], scale fp32 []), x ≈ fp8 / scale: torchao's tensorwise scale and cast
-    (e4m3, or e5m2), bit for bit, in both layouts the GEMMs of a linear read. One read of x writes both layouts,
-    after an amax pass unless `amax` (max |x|, 0-d, any float dtype) is given."""
-    x = x.contiguous()
-    m, k = x.shape
-    dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
-    if amax is None:
-        amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
-        programs = min(triton.cdiv(x.numel(), AMAX_BLOCK), 8 * _multiprocessors(x.device))
-        _abs_max_kernel[(programs,)](x, amax_bits, x.numel(), BLOCK=AMAX_BLOCK, num_warps=8)
-        amax = amax_bits.view(torch.float32)
-    out = torch.empty(m, k, dtype=dtype, device=x.device)
-    out_t = torch.empty(k, m, dtype=dtype, device=x.device)
-    scale = torch.empty((), dtype=torch.float32, device=x.device)
-    block_m, block_k, warps = BOTH_LAYOUTS_TILE
-    _fp8_both_layouts_kernel[(triton.cdiv(m, block_m), triton.cdiv(k, block_k))](
-        x, amax, out, out_t, scale, m, k, BLOCK_M=block_m, BLOCK_K=block_k, E5M2=e5m2, num_warps=warps)
-    return out, out_t, scale
-
-
-@fp8_tensorwise.register_fake
-def _(x: torch.Tensor, amax: torch.Tensor | None = None, e5m2: bool = False
-      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
-    m, k = x.shape
-    return x.new_empty(m, k, dtype=dtype), x.new_empty(k, m, dtype=dtype), x.new_empty((), dtype=torch.float32)
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@triton.jit
 def _mix32(x):
-    """`dsv3.optim._mix32` on int32: murmur3's finaliser, wrapping arithmetic, logical shifts by masking."""
+    """`dsv3.hashing.mix32` on int32: murmur3's finaliser, wrapping arithmetic, logical shifts by masking."""
     x = x ^ ((x >> 16) & 0xFFFF)
     x = x * -2048144789
     x = x ^ ((x >> 13) & 0x7FFFF)
@@ -339,7 +252,7 @@ def _adamw_weight_blocks_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr
             tl.store(exp_avg_sq_ptr + index, v)
     scale = _pow2_scale(tl.max(tl.max(amax, axis=1), axis=0))
     # The block's new weights again, from L2, whole, cast as `fp8_weight_blocks`' are: Wᵀ's rows are then written in
-    # whole 128-byte lines (in 16-row steps, 16-byte pieces of them, the kernel had run 1.3x slower)
+    # whole 128-byte lines (in 16-row steps, 16-byte pieces of them, the kernel had run slower)
     rows = block_row * BLOCK + tl.arange(0, BLOCK)
     w = tl.load(param_ptr + rows[:, None] * K + cols[None, :]).to(tl.bfloat16)
     tl.store(out_ptr + base + rows[:, None] * K + cols[None, :], _to_e4m3(w, scale))
@@ -388,7 +301,7 @@ def _fp8_tiles_kernel(x_ptr, source_rows_ptr, row_weights_ptr, dot_rows_ptr, dot
     block_row = tl.program_id(0)
     tile = tl.program_id(1)
     cols = tile * BLOCK + tl.arange(0, BLOCK)
-    # reduced over its rows once, at the end: a column reduction per step of rows made the kernel 1.9x slower (H200)
+    # reduced over its rows once, at the end: a column reduction per step of rows made the kernel slower (H200)
     col_amax = tl.zeros([ROWS, BLOCK], tl.float32)
     for part in tl.range(0, BLOCK // ROWS):
         rows = block_row * BLOCK + part * ROWS + tl.arange(0, ROWS)

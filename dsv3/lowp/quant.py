@@ -6,12 +6,11 @@ each call in one function named for what it does, and imported only here, only w
   bf16            nothing changes.
   fp8             e4m3, compute capability ≥ 8.9, with the scales of `train.fp8_recipe`:
                     rowwise     (train.py's default) one scale per row of each GEMM operand: held bf16's loss
-                                within 1% over 1,000 steps (README "Precision").
-                    tensorwise  one scale per tensor: faster to quantize; held the loss within 1% with bf16
-                                moments, not with fp32 ones. Under FSDP2 torchao.float8's `Float8Linear`, its
+                                (README "Precision").
+                    tensorwise  one scale per tensor: faster to quantize; held the loss with bf16 moments, not
+                                with fp32 ones. Under FSDP2 torchao.float8's `Float8Linear`, its
                                 weights all-gathered in fp8: call `precompute_fp8_scales(model)` after every
-                                optimizer step. Without FSDP `Fp8TensorwiseLinear`: the same bits, each operand
-                                cast once into both of its layouts.
+                                optimizer step; without FSDP the same linear, its weights bf16.
                   (DeepSeek-V3's own 1×128 / 128×128 blockwise recipe for the dense linears, through torchao,
                   did not pay on Hopper: README, "Precision".)
                   Decided by shape: only linears with min(in_features, out_features) ≥ `train.fp8_min_features`
@@ -42,7 +41,9 @@ import torch
 from torch import nn
 
 from dsv3.config import UserError
-from dsv3.moe import MoE, TokenCopies, row_of_slot, slot_gradients, sum_token_copies, weighted_row_sum
+from dsv3.lowp import BLOCK
+from dsv3.moe import GroupedExperts, MoE, swiglu
+from dsv3.token_copies import TokenCopies, row_of_slot, slot_gradients, sum_token_copies, weighted_row_sum
 
 PRECISIONS = ("bf16", "fp8", "mxfp8", "mxfp8-emulated")
 EXPERT_PRECISIONS = ("bf16", "low", "fp8-blockwise")
@@ -55,7 +56,6 @@ GROUP_ALIGN = {"fp8": 16, "mxfp8": 32, "mxfp8-emulated": 32}
 # so must the tokens of a micro-batch, the inner dim of their weight-gradient GEMM.
 FEATURE_MULTIPLE = {"fp8": 16, "mxfp8": 32, "mxfp8-emulated": 32}
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
-BLOCK = 128  # DeepSeek-V3's FP8 tile and weight block edge (§3.3.2); DeepGEMM's groups start at multiples of it
 
 
 class _EnumRegisteredAsConstant(logging.Filter):
@@ -166,13 +166,13 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
     (e.g. "attn", "shared_experts"); others stay bf16. Modules are swapped, their weight Parameters kept, so
     parameter names (FSDP, checkpoints) do not change. `fsdp`: whether FSDP2 will shard the model; only then do
     tensorwise weights carry the fp8 all-gather.
-    Experts: `expert_precision=low` makes each `GroupedExperts.grouped_mm` the precision's low-precision one, whose
-    dispatcher pads groups to GROUP_ALIGN rows; `fp8-blockwise` makes it `fp8_blockwise_grouped_mm` (whatever the
-    dense `precision`), groups padded to BLOCK rows. Works on a meta-device model.
+    Experts: `expert_precision=low` swaps each `GroupedExperts` for the precision's low-precision one
+    (`Fp8RowwiseExperts`, `MXFP8Experts`), whose dispatcher pads groups to GROUP_ALIGN rows; `fp8-blockwise` for
+    `Fp8BlockwiseExperts` (whatever the dense `precision`), groups padded to BLOCK rows. Works on a meta-device model.
     """
     _check_modes(precision, expert_precision, fp8_recipe)
     if expert_precision == "fp8-blockwise":
-        _swap_expert_gemm(model, fp8_blockwise_grouped_mm, BLOCK, BLOCK, expert_precision)
+        _swap_experts(model, Fp8BlockwiseExperts, BLOCK, BLOCK, expert_precision)
     if precision == "bf16":
         return []
     eligible = convertible_linears(model, precision, fp8_min_features)
@@ -187,10 +187,10 @@ def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_
         _swap_linears(model, names, functools.partial(to_mxfp8_linear, emulated=precision == "mxfp8-emulated"))
     if expert_precision == "low":
         if precision == "fp8":
-            gemm = fp8_rowwise_grouped_mm
+            experts = Fp8RowwiseExperts
         else:
-            gemm = functools.partial(mxfp8_grouped_mm, emulated=precision == "mxfp8-emulated")
-        _swap_expert_gemm(model, gemm, FEATURE_MULTIPLE[precision], GROUP_ALIGN[precision], f"low with {precision}")
+            experts = functools.partial(MXFP8Experts, emulated=precision == "mxfp8-emulated")
+        _swap_experts(model, experts, FEATURE_MULTIPLE[precision], GROUP_ALIGN[precision], f"low with {precision}")
     return names
 
 
@@ -202,106 +202,33 @@ def _swap_linears(model: nn.Module, names: list[str], convert) -> None:
         setattr(owner, child, convert(getattr(owner, child)))
 
 
-def _swap_expert_gemm(model: nn.Module, gemm, feature_multiple: int, align: int, what: str) -> None:
+def _swap_experts(model: nn.Module, experts_class, feature_multiple: int, align: int, what: str) -> None:
+    """Replace each MoE's `GroupedExperts` by an `experts_class(n_experts, dim, inter_dim)` holding its weight
+    Parameters (their names do not change), and have its dispatcher pad groups to `align` rows."""
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        dim, inter_dim = moe.experts.w2.shape[1:]
+        n_experts, dim, inter_dim = moe.experts.w2.shape
         if dim % feature_multiple or inter_dim % feature_multiple:
             raise UserError(f"train.expert_precision={what} needs model.dim ({dim}) and model.moe_inter_dim "
                             f"({inter_dim}) divisible by {feature_multiple}: change them or use "
                             "--train.expert_precision=bf16")
-        moe.experts.grouped_mm = gemm
+        with torch.device("meta"):
+            experts = experts_class(n_experts, dim, inter_dim)
+        experts.w13, experts.w2 = moe.experts.w13, moe.experts.w2
+        moe.experts = experts
         moe.dispatcher.align = align
 
 
 def convert_to_fp8_training(model: nn.Module, names: list[str], recipe: str, fp8_all_gather: bool = True) -> None:
-    """Swap the named linears for FP8 ones (dynamic scaling, e4m3 forward, e5m2 gradients). Under FSDP2
-    (`fp8_all_gather`) and for rowwise: torchao's Float8Linear; a tensorwise one all-gathers its weights in fp8 (its
-    scales are the only ones that can be: WeightWithDynamicFloat8CastTensor). Tensorwise without FSDP: dsv3's
-    `Fp8TensorwiseLinear`, torchao's numerics bit for bit, each operand cast once into both layouts its GEMMs read."""
-    if recipe == "tensorwise" and not fp8_all_gather:
-        _swap_linears(model, names, Fp8TensorwiseLinear.of)
-        for name in names:
-            model.get_submodule(name).fuse_grad_amax = name.rpartition(".")[2] not in ROPE_GRAD_LINEARS
-        return
+    """Swap the named linears for torchao's Float8Linear (dynamic scaling, e4m3 forward, e5m2 gradients). Under FSDP2
+    (`fp8_all_gather`) a tensorwise one all-gathers its weights in fp8 (its scales are the only ones that can be:
+    WeightWithDynamicFloat8CastTensor)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)
-    if recipe == "tensorwise":
+    if recipe == "tensorwise" and fp8_all_gather:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     wanted = set(names)
     convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in wanted, config=config)
-
-
-def to_fp8_tensorwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, amax: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] → (fp8 [M, K], its transpose [K, M] contiguous, scale fp32), x ≈ fp8 / scale: torchao's tensorwise
-    scale (the format's max / amax in fp64, rounded to fp32) and saturated cast, in both layouts. `amax`: max |x|,
-    if already known. On a GPU one kernel writes both from one read of x (`fp8_kernels.fp8_tensorwise`)."""
-    if x.is_cuda:
-        from dsv3.fp8_kernels import fp8_tensorwise
-
-        return fp8_tensorwise(x, amax, dtype == torch.float8_e5m2)
-    top = torch.finfo(dtype).max
-    amax = x.abs().max() if amax is None else amax
-    scale = (top / amax.to(torch.float64).clamp(min=1e-12)).to(torch.float32)
-    x8 = (x.to(torch.float32) * scale).clamp(-top, top).to(dtype)
-    return x8, x8.t().contiguous(), scale
-
-
-def fusable_amax(x: torch.Tensor) -> torch.Tensor | None:
-    """max |x| [M, K] as torch ops inside a compiled graph, a max along each row and then over the rows: inductor
-    fuses that row reduction into the kernel that makes x (a norm, SwiGLU, their backward), where a pass of its own
-    would read x again. Eager (None), the cast's kernel makes its own amax pass, faster than torch's ops there."""
-    return x.abs().amax(-1).amax() if torch.compiler.is_compiling() else None
-
-
-# MLA's query projections, whose output gradient is made by RoPE's backward from attention's [B, H, S, d] gradient,
-# read transposed: a row amax fused into that kernel made it slower than the cast's own amax pass (H100).
-ROPE_GRAD_LINEARS = ("wq_b", "wq")
-
-
-class Fp8TensorwiseLinear(nn.Linear):
-    """torchao's tensorwise Float8Linear (one GPU, no FSDP), bit for bit, with each operand cast once into both
-    layouts its GEMMs read: the forward writes x and W in e4m3 row-major and transposed and saves the transposed ones
-    (1 byte an element, where torchao saves bf16 x and W and casts them again in backward); the backward casts the
-    output gradient into both layouts at once. Compiled, the amax of x, and of the output gradient if
-    `fuse_grad_amax`, is left to inductor to fuse into the kernel that makes it (`fusable_amax`)."""
-
-    fuse_grad_amax = True
-
-    @classmethod
-    def of(cls, linear: nn.Linear) -> "Fp8TensorwiseLinear":
-        with torch.device("meta"):
-            new = cls(linear.in_features, linear.out_features, bias=False)
-        new.weight, new.bias = linear.weight, linear.bias
-        return new
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _Fp8TensorwiseMM.apply(x.reshape(-1, x.shape[-1]), self.weight, self.fuse_grad_amax)
-        y = y.reshape(*x.shape[:-1], y.shape[-1])
-        return y if self.bias is None else y + self.bias.to(y.dtype)
-
-
-class _Fp8TensorwiseMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, fuse_grad_amax: bool) -> torch.Tensor:
-        ctx.fuse_grad_amax = fuse_grad_amax
-        # W is a leaf (the optimizer's bf16 copy): nothing to fuse its amax into
-        (x8, x8_t, x_scale), (w8, w8_t, w_scale) = to_fp8_tensorwise(x, amax=fusable_amax(x)), to_fp8_tensorwise(w)
-        x_inverse, w_inverse = x_scale.reciprocal(), w_scale.reciprocal()  # what _scaled_mm takes, as torchao's
-        ctx.save_for_backward(x8_t, w8_t, x_inverse, w_inverse)
-        return torch._scaled_mm(x8, w8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=x.dtype,
-                                use_fast_accum=True)
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        x8_t, w8_t, x_inverse, w_inverse = ctx.saved_tensors
-        g_amax = fusable_amax(grad_out) if ctx.fuse_grad_amax else None
-        g8, g8_t, g_scale = to_fp8_tensorwise(grad_out, torch.float8_e5m2, g_amax)  # e5m2, as torchao's
-        g_inverse = g_scale.reciprocal()
-        grad_x = torch._scaled_mm(g8, w8_t.t(), scale_a=g_inverse, scale_b=w_inverse, out_dtype=grad_out.dtype)
-        grad_w = torch._scaled_mm(g8_t, x8_t.t(), scale_a=g_inverse, scale_b=x_inverse, out_dtype=grad_out.dtype)
-        return grad_x, grad_w, None
 
 
 def precompute_fp8_scales(model: nn.Module) -> None:
@@ -342,12 +269,12 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
     """out = x·w per group, its three GEMMs in e4m3 (torch._scaled_grouped_mm, fp32 accumulation). The token rows'
     scales along the features are `to_fp8_rowwise`, plain torch ops that inductor fuses into the kernels that make
     the rows (the gather, SwiGLU, its backward); the weights' scales along each axis and the weight gradient's along
-    each group's tokens are dsv3.fp8_kernels' Triton kernels, which move fewer bytes than torchao 0.18's."""
+    each group's tokens are dsv3.lowp.fp8_kernels' Triton kernels, which move fewer bytes than torchao 0.18's."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         # x [N, K] row-major; w [E, K, M], each expert's matrix column-major (a transposed view of [E, M, K])
-        from dsv3.fp8_kernels import fp8_weight_rows
+        from dsv3.lowp.fp8_kernels import fp8_weight_rows
 
         x_fp8, x_scales = to_fp8_rowwise(x)
         w_rows = w.transpose(-2, -1).contiguous()  # [E, M, K]: the memory of w, no copy
@@ -358,7 +285,7 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        from dsv3.fp8_kernels import fp8_weight_cols
+        from dsv3.lowp.fp8_kernels import fp8_weight_cols
 
         x, w_rows, offsets, w_col_amax = ctx.saved_tensors
         grad_out = grad_out.contiguous()
@@ -371,8 +298,6 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
         return grad_x, _fp8_rowwise_weight_grad(grad_out, x, offsets).transpose(-2, -1), None
 
 
-fp8_rowwise_grouped_mm.quantizes_in_inductor = True  # GroupedExperts keeps SwiGLU plain ops for it
-
 
 def _fp8_rowwise_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
                              grad_out_amax: torch.Tensor | None = None, x_amax: torch.Tensor | None = None,
@@ -382,7 +307,7 @@ def _fp8_rowwise_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, offsets: t
     (`*_amax`: the operand's column amaxes per 128-row block, from `fp8_tiles`; `x_source_rows`: x's rows are
     x[x_source_rows], as `fp8_tiles` takes them; `grad_out_rows` (source rows, row weights): grad_out's rows are
     grad_out[source rows] · row weights, as `fp8_tiles_of_weighted_rows` takes them)."""
-    from dsv3.fp8_kernels import fp8_group_cols
+    from dsv3.lowp.fp8_kernels import fp8_group_cols
 
     g_cols, g_col_scales = fp8_group_cols(grad_out, offsets, grad_out_amax, *(grad_out_rows or ()))
     x_cols, x_col_scales = fp8_group_cols(x, offsets, x_amax, x_source_rows)
@@ -420,7 +345,7 @@ def fp8_blockwise_grouped_mm(x: torch.Tensor | TokenCopies, w: torch.Tensor, off
     """Routed-expert GEMM in DeepSeek-V3's FP8 recipe; groups must start at multiples of 128 rows (the dispatcher
     pads them). x: the rows, or a dispatcher's `TokenCopies` of them, which the quantization gathers as it reads
     them (the bf16 rows are never written). `w_blocks`: what `fp8_kernels.fp8_weight_blocks` makes of w's bf16
-    values, if something keeps it (`GroupedExperts.weight_blocks`); w's values are then not read, only its gradient
+    values, if something keeps it (`Fp8BlockwiseExperts.weight_blocks`); w's values are then not read, only its gradient
     is made. `sum_copies` (copies with `weights`, whose order the output rows follow): returns `sum_copies.sum` of
     the output, whose backward reads the rows' gradient from the tokens' as it quantizes it (never written)."""
     source, order, topk = (x.source, x.order, x.topk) if isinstance(x, TokenCopies) else (x, None, 1)
@@ -428,19 +353,16 @@ def fp8_blockwise_grouped_mm(x: torch.Tensor | TokenCopies, w: torch.Tensor, off
     return _Fp8BlockwiseGroupedMM.apply(source, w, offsets, order, topk, sum_order, sum_weights, *w_blocks)
 
 
-fp8_blockwise_grouped_mm.takes_token_copies = True  # GroupedExperts hands it the dispatcher's copies ungathered
-fp8_blockwise_grouped_mm.sums_token_copies = True  # and has it sum its output per token (`sum_copies`)
-
 
 class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
     """out = x·w per group. The forward and the input gradient take DeepSeek-V3's scales (§3.3.2: 1×128 tiles of
-    the token rows, 128×128 blocks of the weights: dsv3.fp8_kernels) through DeepGEMM's grouped GEMM; the weight
+    the token rows, 128×128 blocks of the weights: dsv3.lowp.fp8_kernels) through DeepGEMM's grouped GEMM; the weight
     gradient, whose inner dimension is each group's tokens, takes `_Fp8RowwiseGroupedMM`'s per-group column scales:
     torch's grouped GEMM ran it faster than DeepGEMM's k-grouped one, which writes fp32. Those scales come from the
     column amaxes that the tiles' kernel records while it reads each operand (its groups start at multiples of 128
     rows, the tiles' blocks), so the weight gradient's quantization reads each operand once. With `order`, the rows
     are x[order // topk] (`TokenCopies`), read so by both quantizations, and x's gradient sums its copies'. With
-    `sum_order`, the output is y_t = Σ_k g_t,k · (out's row in slot (t, k)) (`moe.combine_token_copies`), and
+    `sum_order`, the output is y_t = Σ_k g_t,k · (out's row in slot (t, k)) (`token_copies.combine_token_copies`), and
     both quantizations read out's gradient as ∂y_t · g_t,k, the tiles' kernel making ∂g_t,k = ⟨∂y_t, row⟩ beside."""
 
     @staticmethod
@@ -449,7 +371,7 @@ class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
                 *w_blocks: torch.Tensor) -> torch.Tensor:
         # x [N, K] row-major (with `order`: [T, K], the rows' source); w [E, K, M], each expert's matrix
         # column-major (a transposed view of [E, M, K])
-        from dsv3.fp8_kernels import fp8_tiles, fp8_weight_blocks
+        from dsv3.lowp.fp8_kernels import fp8_tiles, fp8_weight_blocks
 
         source_rows = None if order is None else order // topk  # padding: −1 // topk = −1
         x_fp8, x_inv_scales, x_amax = fp8_tiles(x, source_rows)
@@ -472,7 +394,7 @@ class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        from dsv3.fp8_kernels import fp8_tiles, fp8_tiles_of_weighted_rows
+        from dsv3.lowp.fp8_kernels import fp8_tiles, fp8_tiles_of_weighted_rows
 
         x, x_amax, wt_fp8, w_inv_scales, offsets, groups, order, source_rows, *summed = ctx.saved_tensors
         grad_out = grad_out.contiguous()
@@ -505,3 +427,87 @@ def mxfp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, em
         x.bfloat16(), w.bfloat16(), offsets, out_dtype=torch.bfloat16,
         kernel_preference=KernelPreference.EMULATED if emulated else KernelPreference.AUTO)
     return out.to(x.dtype)
+
+
+class Fp8RowwiseExperts(GroupedExperts):
+    """`GroupedExperts` with both grouped GEMMs in e4m3 rowwise (`fp8_rowwise_grouped_mm`): expert_precision=low
+    with fp8."""
+
+    def forward(self, x: torch.Tensor | TokenCopies, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        rows = x.gather() if isinstance(x, TokenCopies) else x  # [N, dim]
+        w13, w2 = self.local_weights()
+        offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+        # SwiGLU's backward in plain ops: inductor fuses the row quantization of its output into them
+        act = swiglu(fp8_rowwise_grouped_mm(rows, w13.transpose(-2, -1), offsets), triton_backward=False)
+        out = fp8_rowwise_grouped_mm(act, w2.transpose(-2, -1), offsets)  # [N, dim]
+        return x.sum(out) if isinstance(x, TokenCopies) and x.weights is not None else out
+
+
+class MXFP8Experts(GroupedExperts):
+    """`GroupedExperts` with both grouped GEMMs in MXFP8 (`mxfp8_grouped_mm`, `emulated` or not): expert_precision=low
+    with mxfp8 or mxfp8-emulated."""
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int, emulated: bool):
+        super().__init__(n_experts, dim, inter_dim)
+        self.emulated = emulated
+
+    def forward(self, x: torch.Tensor | TokenCopies, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        rows = x.gather() if isinstance(x, TokenCopies) else x  # [N, dim]
+        w13, w2 = self.local_weights()
+        offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+        act = swiglu(mxfp8_grouped_mm(rows, w13.transpose(-2, -1), offsets, self.emulated))  # [N, I]
+        out = mxfp8_grouped_mm(act, w2.transpose(-2, -1), offsets, self.emulated)  # [N, dim]
+        return x.sum(out) if isinstance(x, TokenCopies) and x.weights is not None else out
+
+
+class Fp8BlockwiseExperts(GroupedExperts):
+    """`GroupedExperts` in DeepSeek-V3's FP8 recipe (`fp8_blockwise_grouped_mm`): expert_precision=fp8-blockwise.
+    The dispatcher's `TokenCopies` go to the first GEMM ungathered, its quantization gathers them as it reads them;
+    with gate weights, the second GEMM sums its rows per token itself (`sum_copies`)."""
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int):
+        super().__init__(n_experts, dim, inter_dim)
+        # name → the GEMM's own FP8 form of the weight, where something keeps it up to date (one GPU: the optimizer,
+        # through `WeightBlocks`), passed to the GEMM after the weight; empty: the GEMM quantizes the weights itself
+        self.weight_blocks: dict[str, tuple[torch.Tensor, ...]] = {}
+
+    def forward(self, x: torch.Tensor | TokenCopies, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        copies = x if isinstance(x, TokenCopies) and x.weights is not None else None
+        w13, w2 = self.local_weights()
+        offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+        blocks = self.weight_blocks
+        act = swiglu(fp8_blockwise_grouped_mm(x, w13.transpose(-2, -1), offsets, *blocks.get("w13", ())))  # [N, I]
+        return fp8_blockwise_grouped_mm(act, w2.transpose(-2, -1), offsets, *blocks.get("w2", ()), sum_copies=copies)
+
+
+class WeightBlocks:
+    """The one-GPU compute copy (dsv3.optim.ComputeCopies) of a `Fp8BlockwiseExperts` weight stack [E, M, K]: the
+    e4m3 blocks its GEMM reads (`fp8_kernels.fp8_weight_blocks`), handed to the experts' `weight_blocks`, in place of
+    a bf16 copy; the optimizer writes them while it holds each block (`fp8_kernels.adamw_weight_blocks`)."""
+
+    def __init__(self, experts: Fp8BlockwiseExperts, name: str, p: nn.Parameter):
+        n_experts, m, k = p.shape
+        self.blocks = (torch.empty(p.shape, dtype=torch.float8_e4m3fn, device=p.device),
+                       torch.empty(n_experts, k, m, dtype=torch.float8_e4m3fn, device=p.device),
+                       torch.empty(n_experts, m // BLOCK, k // BLOCK, dtype=torch.float32, device=p.device))
+        experts.weight_blocks[name] = self.blocks
+
+    def write(self, weight: torch.Tensor) -> None:
+        """Remake the blocks from `weight`, the stack in the compute dtype."""
+        from dsv3.lowp.fp8_kernels import fp8_weight_blocks
+
+        for blocks, made in zip(self.blocks, fp8_weight_blocks(weight)):
+            blocks.copy_(made)
+
+    def adamw_update(self, p: nn.Parameter, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                     *scalars) -> None:
+        """`optim.adamw_update` of `p` (its `scalars` from step_size on), writing the blocks instead of a copy."""
+        from dsv3.lowp.fp8_kernels import adamw_weight_blocks
+
+        adamw_weight_blocks(p, grad.contiguous(), exp_avg, exp_avg_sq, self.blocks, *scalars)
+
+
+def own_compute_copy(module: nn.Module, name: str, p: nn.Parameter) -> WeightBlocks | None:
+    """What dsv3.optim.ComputeCopies keeps of `p` in place of a bf16 copy: the blockwise FP8 experts' `WeightBlocks`;
+    None for every other parameter."""
+    return WeightBlocks(module, name, p) if isinstance(module, Fp8BlockwiseExperts) else None
