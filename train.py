@@ -184,14 +184,15 @@ def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
     parallel.apply_activation_checkpointing(model, t.activation_checkpoint)
     if t.compile:
         parallel.apply_compile(model)
-    if world > 1:  # plain fp32 on CPU
-        param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        parallel.apply_fsdp(model, meshes, param_dtype, torch.float32, cfg.parallel.ep)
+    param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # plain fp32 on CPU
+    unsharded = parallel.apply_fsdp(model, meshes, param_dtype, torch.float32, cfg.parallel.ep) if world > 1 else []
     if device.type == "cuda":
         model.to_empty(device=device)
         model.init_weights()
         if world == 1:
             model.compute_copies = optim.ComputeCopies(model, torch.bfloat16, quant.own_compute_copy)
+    if unsharded:  # the routed experts at ep == world, which FSDP leaves alone
+        model.compute_copies = optim.ComputeCopies(model, param_dtype, params=unsharded, grad_divisor=world)
     if t.balanced_routing:
         for router in model.routers():
             router.uniform_seed = torch.zeros((), dtype=torch.int64, device=device)

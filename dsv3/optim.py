@@ -25,10 +25,15 @@ from dsv3.hashing import STRIDE, mix32, random_bits
 from dsv3.parallel import to_device
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _flat_local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard as a 1-D view: updates write through, and parameters of one size share a compiled kernel
     whatever their shape."""
-    return (t.to_local() if isinstance(t, DTensor) else t).view(-1)
+    return _local(t).view(-1)
 
 
 def rounding_salt(index: int, param: torch.Tensor) -> int:
@@ -84,10 +89,12 @@ _COMPILED_VARIANTS = 64
 
 
 class ComputeCopies:
-    """FSDP2's mixed precision for a model that is not sharded (one rank): inside `active()`, forward and backward
-    compute with `dtype` copies of the fp32 parameters; outside it, the model holds its fp32 parameters (optimizer
-    state, checkpoints, export), whichever way `active()` was left, an exception included. Without FSDP's casts and
-    copies in and out of its buffers, nothing moves but the math.
+    """FSDP2's mixed precision for parameters that are not sharded by it (one rank: all of them; ep == world: the routed
+    experts, `parallel.apply_fsdp`): inside `active()`, forward and backward compute with `dtype` copies of the fp32
+    parameters (of this rank's shard, for an expert-parallel DTensor); outside it, the model holds its fp32 parameters
+    (optimizer state, checkpoints, export), whichever way `active()` was left, an exception included. Without FSDP's
+    casts and copies in and out of its buffers, nothing moves but the math. `grad_divisor` divides each gradient as
+    FSDP's average over ranks would (the world size).
 
     A copy is written by the optimizer's update (`updates`), in the same pass as its parameter; entering `active()`
     remakes it when its parameter changed otherwise since (an init, a load: any in-place write, which bumps
@@ -99,25 +106,29 @@ class ComputeCopies:
     weight in `dtype`, and whose `adamw_update(p, grad, exp_avg, exp_avg_sq, *scalars)` is `adamw_update`'s step of p
     that writes it in the same pass (`own_of`). Its Parameter in the model then holds no values (one zero, expanded),
     only the gradient.
-    Gradients land on the copies. With `active(accumulate=True)` (several micro-batches), each copy's gradient is
-    added into its parameter's fp32 one as soon as backward has produced it, and freed at once, as FSDP's fp32
-    reduce-scatter does: bf16 gradients never pile up beyond the block that backward is in."""
+    Gradients land on the copies (`grad`). With `active(accumulate=True)` (several micro-batches), each copy's gradient
+    is added into an fp32 sum as soon as backward has produced it, and freed at once, as FSDP's fp32 reduce-scatter
+    does: bf16 gradients never pile up beyond the block that backward is in. Without it, one backward per step."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype,
-                 own_copy: Callable[[nn.Module, str, nn.Parameter], Any] | None = None):
-        self.slots = [(module, name, p) for module in model.modules()
-                      for name, p in module._parameters.items() if p is not None]
+                 own_copy: Callable[[nn.Module, str, nn.Parameter], Any] | None = None,
+                 params: Iterable[nn.Parameter] | None = None, grad_divisor: int = 1):
+        chosen = set(params) if params is not None else None
+        self.slots = [(module, name, p) for module in model.modules() for name, p in module._parameters.items()
+                      if p is not None and (chosen is None or p in chosen)]
+        self.grad_divisor = grad_divisor
         owns = {p: own_copy(module, name, p) for module, name, p in self.slots} if own_copy is not None else {}
         self.own_of = {p: own for p, own in owns.items() if own is not None}
         self.copy_of = {p: nn.Parameter(torch.zeros((), dtype=dtype, device=p.device).expand(p.shape)
-                                        if p in self.own_of else torch.empty_like(p, dtype=dtype),
+                                        if p in self.own_of else torch.empty_like(_local(p), dtype=dtype),
                                         requires_grad=p.requires_grad)
                         for _, _, p in self.slots}
         self._written_at: dict[nn.Parameter, tuple[int, int]] = {}  # p → (p._version, p.data_ptr()) at the write
         self._accumulate = False
+        self._fp32_grad: dict[nn.Parameter, torch.Tensor] = {}  # p → its copies' gradients summed, when accumulating
         for p, copy in self.copy_of.items():
             if copy.requires_grad:
-                copy.register_post_accumulate_grad_hook(functools.partial(self._add_to_fp32_grad, p))
+                copy.register_post_accumulate_grad_hook(functools.partial(self._on_grad, p))
 
     @staticmethod
     def _stamp(p: nn.Parameter) -> tuple[int, int]:
@@ -133,7 +144,7 @@ class ComputeCopies:
                     if p in self.own_of:
                         self.own_of[p].write(p.to(copy.dtype))
                     else:
-                        copy.copy_(p)
+                        copy.copy_(_local(p))
                     self._written_at[p] = self._stamp(p)
         for module, name, p in self.slots:
             module._parameters[name] = self.copy_of[p]
@@ -146,25 +157,35 @@ class ComputeCopies:
                 module._parameters[name] = p
 
     @torch.no_grad()
-    def _add_to_fp32_grad(self, p: nn.Parameter, copy: nn.Parameter) -> None:
+    def _on_grad(self, p: nn.Parameter, copy: nn.Parameter) -> None:
+        if self.grad_divisor != 1:
+            copy.grad.div_(self.grad_divisor)
         if self._accumulate:
-            p.grad = copy.grad.float() if p.grad is None else p.grad.add_(copy.grad)
+            total = self._fp32_grad.get(p)
+            self._fp32_grad[p] = copy.grad.float() if total is None else total.add_(copy.grad)
             copy.grad = None
 
     def grad(self, p: nn.Parameter) -> torch.Tensor | None:
-        """`p`'s gradient: its fp32 sum over micro-batches when they were accumulated, else its copy's."""
-        return p.grad if p.grad is not None else self.copy_of[p].grad
+        """`p`'s gradient: its fp32 sum over micro-batches when they were accumulated, else its copy's (this rank's
+        shard, for a DTensor); a parameter without a copy has its own."""
+        if p not in self.copy_of:
+            return p.grad
+        total = self._fp32_grad.get(p)
+        return total if total is not None else self.copy_of[p].grad
 
-    def updates(self, params: Iterable[nn.Parameter]) -> Iterator[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]:
-        """(weight, gradient, copy) of each of `params` that has a gradient, for an update that writes the weight
-        and its copy in one pass; a copy counts as written once the update of the next one is asked for."""
+    def updates(self, params: Iterable[nn.Parameter]
+                ) -> Iterator[tuple[nn.Parameter, torch.Tensor, torch.Tensor | None]]:
+        """(weight, gradient, copy or None) of each of `params` that has a gradient, for an update that writes the
+        weight and its copy in one pass; a copy counts as written once the update of the next one is asked for."""
         for p in params:
             grad = self.grad(p)
             if grad is not None:
-                yield p, grad, self.copy_of[p]
-                self._written_at[p] = self._stamp(p)
+                yield p, grad, self.copy_of.get(p)
+                if p in self.copy_of:
+                    self._written_at[p] = self._stamp(p)
 
     def zero_grad(self) -> None:
+        self._fp32_grad.clear()
         for copy in self.copy_of.values():
             copy.grad = None
 

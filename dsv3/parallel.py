@@ -99,30 +99,37 @@ def apply_expert_parallel(model: Transformer, meshes: Meshes, backend: str = "al
 
 
 def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               ep: int) -> None:
+               ep: int) -> list[nn.Parameter]:
+    """FSDP2 over the dense mesh for each block and the root, and over efsdp for the routed experts. At ep == world
+    the experts would sit in a one-rank FSDP unit, whose hooks, casts and copies buy nothing: they are left out.
+    Returns those parameters, for `optim.ComputeCopies` to give them compute copies and FSDP's gradient average."""
     # forward inputs keep their dtype: the fp32 RoPE tables stay fp32 (`apply_rope` computes in fp32)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     world = meshes.dense.size()
     expert_mesh = meshes.experts["efsdp"] if ep > 1 else meshes.dense
+    unsharded: list[nn.Parameter] = []
     for block in model.blocks():
-        if isinstance(block.ffn, MoE):
-            # experts on a 1-rank FSDP mesh (ep == world) hold whole shards: resharding them after forward would
-            # only cast and copy them again for backward
-            fully_shard(block.ffn.experts, mesh=expert_mesh, mp_policy=mp,
-                        reshard_after_forward=expert_mesh.size() > 1)
+        ignored = None
+        if isinstance(block.ffn, MoE) and expert_mesh.size() == 1:
+            ignored = set(block.ffn.experts.parameters())
+            unsharded += ignored
+        elif isinstance(block.ffn, MoE):
+            fully_shard(block.ffn.experts, mesh=expert_mesh, mp_policy=mp)
             # each expert's gradient sums the tokens of its whole EP group: average over all ranks, not efsdp
             block.ffn.experts.set_gradient_divide_factor(world)
-            # gloo lacks the PREMUL_SUM that a custom factor uses (and a 1-rank mesh needs no reduction)
-            if expert_mesh.device_type == "cpu" and expert_mesh.size() > 1:
+            # gloo lacks the PREMUL_SUM that a custom factor uses
+            if expert_mesh.device_type == "cpu":
                 block.ffn.experts.set_force_sum_reduction_for_comms(True)
-        fully_shard(block, mesh=meshes.dense, mp_policy=mp)
-    fully_shard(model, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(block, mesh=meshes.dense, mp_policy=mp, ignored_params=ignored)
+    fully_shard(model, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=False,
+                ignored_params=set(unsharded) or None)
     if ep > 1:
         # EP's blocking split-size copy stalls FSDP's implicit prefetch: prefetch the next block explicitly.
         chain = model.blocks()
         for prev, nxt in zip(chain, chain[1:]):
             prev.set_modules_to_forward_prefetch([nxt])
             nxt.set_modules_to_backward_prefetch([prev])
+    return unsharded
 
 
 # Selective AC keeps what is expensive to recompute (GEMM and attention outputs), recomputes the rest. It sees

@@ -1,5 +1,6 @@
 """FSDP2 + expert parallelism on real gloo process groups: sharded runs match the single-process run."""
 
+import contextlib
 import os
 from dataclasses import replace
 
@@ -42,15 +43,27 @@ def _unwrapped(name: str) -> str:
     return name.replace("._checkpoint_wrapped_module", "")
 
 
+def _grad(p: torch.nn.Parameter, copies: optim.ComputeCopies | None) -> torch.Tensor:
+    """p's gradient, from its compute copy where it has one (this rank's shard, made a DTensor like p again)."""
+    if copies is None or p not in copies.copy_of:
+        return p.grad
+    grad = copies.grad(p)
+    return DTensor.from_local(grad, p.device_mesh, p.placements) if isinstance(p, DTensor) else grad
+
+
 def _run(model: Transformer, batches: torch.Tensor, rank: int, world: int, train: TrainConfig = TRAIN) -> dict:
     """First-step gradients (no update), then STEPS optimizer steps: losses, expert biases, parameters,
     and the dtype of every optimizer state tensor."""
     rows = TRAIN.global_batch // world
     local = batches[:, rank * rows:(rank + 1) * rows]
-    out = model(local[0][:, :-1], local[0][:, 1:])
-    (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
-    grads = {_unwrapped(n): _full(p.grad).clone() for n, p in model.named_parameters()}
+    copies = getattr(model, "compute_copies", None)  # the routed experts at ep == world (parallel.apply_fsdp)
+    with copies.active() if copies else contextlib.nullcontext():
+        out = model(local[0][:, :-1], local[0][:, 1:])
+        (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
+    grads = {_unwrapped(n): _full(_grad(p, copies)).clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
+    if copies:
+        copies.zero_grad()
     optimizer = build_optimizer(model, train, torch.device("cpu"))
     losses = []
     for step in range(1, STEPS + 1):
@@ -85,7 +98,9 @@ def _parallelize(model: Transformer, world: int, ep: int, ac: str = "none", para
     parallel.apply_activation_checkpointing(model, ac)
     if compile_backend is not None:
         parallel.apply_compile(model, backend=compile_backend)
-    parallel.apply_fsdp(model, meshes, param_dtype, torch.float32, ep)
+    unsharded = parallel.apply_fsdp(model, meshes, param_dtype, torch.float32, ep)
+    if unsharded:  # as train.build_model does
+        model.compute_copies = optim.ComputeCopies(model, param_dtype, params=unsharded, grad_divisor=world)
     return model
 
 
@@ -155,29 +170,36 @@ def test_bf16_adamw_moments_are_sharded_like_their_parameters_and_track_the_sing
         assert diff.mean() < 2e-5 and (diff > 1e-4).float().mean() < 0.05, name
 
 
-def _forward_state_worker(rank: int, world: int, ep: int, port: int, out_path: str) -> None:
-    """After one training forward: is each expert stack still gathered (kept for backward), is attention not?"""
+def _fsdp_units_worker(rank: int, world: int, ep: int, port: int, out_path: str) -> None:
+    """Which modules FSDP wraps, and over what the expert stacks are sharded."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = _parallelize(Transformer(CFG), world, ep)
-    tokens = _batches()[0, :2]
-    model(tokens[:, :-1], tokens[:, 1:])
     moe_blocks = [b for b in model.blocks() if isinstance(b.ffn, MoE)]
-    # gathered over FSDP: an expert stack is sharded over the EP mesh alone (1-D), not over (efsdp, ep)
-    experts_gathered = [b.ffn.experts.w13.device_mesh.ndim == 1 for b in moe_blocks]
-    attention_gathered = [not isinstance(b.attn.wo.weight, dist.tensor.DTensor) for b in moe_blocks]
-    _save_from_rank_0_and_leave(rank, {"experts": experts_gathered, "attention": attention_gathered}, out_path)
+    _save_from_rank_0_and_leave(rank, {
+        "experts_fsdp": [isinstance(b.ffn.experts, FSDPModule) for b in moe_blocks],
+        "expert_mesh_dims": [b.ffn.experts.w13.device_mesh.ndim for b in moe_blocks],
+        "copies": sorted(n for n, p in model.named_parameters() if p in getattr(model, "compute_copies",
+                                                                                  optim.ComputeCopies(model, torch.float32,
+                                                                                                      params=[])).copy_of)},
+        out_path)
 
 
-def test_experts_on_a_one_rank_fsdp_mesh_stay_gathered_from_forward_to_backward(tmp_path):
-    """ep == world: the experts' FSDP mesh has one rank, so resharding after forward would only cast and copy
-    them again for backward; dense parameters, sharded over every rank, are freed after forward as before."""
+@pytest.mark.parametrize("world,ep", [(2, 2), (2, 1)])
+def test_experts_leave_fsdp_only_where_its_mesh_would_have_one_rank(world, ep, tmp_path):
+    """ep == world: the experts' FSDP unit would have one rank (hooks, casts and copies for nothing): they stay out
+    of FSDP, sharded over the EP mesh alone, and compute through compute copies instead; ep < world: FSDP units."""
     out = tmp_path / "rank0.pt"
-    mp.spawn(_forward_state_worker, args=(2, 2, free_port(), str(out)), nprocs=2)
+    mp.spawn(_fsdp_units_worker, args=(world, ep, free_port(), str(out)), nprocs=world)
     got = torch.load(out)
-    assert got["attention"] and not any(got["attention"])
-    assert all(got["experts"])
+    outside = ep == world
+    assert got["experts_fsdp"] and all(not f for f in got["experts_fsdp"]) == outside and any(got["experts_fsdp"]) != outside
+    if outside:
+        assert got["expert_mesh_dims"] == [1] * len(got["expert_mesh_dims"])
+        assert got["copies"] and all(".ffn.experts." in n for n in got["copies"])
+    else:
+        assert not got["copies"]
 
 
 def test_a_rank_that_receives_no_tokens_trains_like_the_single_process_run(tmp_path):
