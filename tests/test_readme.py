@@ -1,9 +1,9 @@
 """The commands of the README, docs/*.md and CONTRIBUTING.md run as written. Those that fit CI's time run, in order
 (the README's, then each page's), from a directory laid out like a checkout (a few steps instead of hundreds); every
-other train.py command's config, overrides and world size load; every plan.py command plans; what needs a GPU, a download or your own files is
-named below, and a command a page gains must be placed in one of these groups. Every link between the pages leads to
-a page and heading that exist, and every file of the repository a page names exists (docs/log.md, a dated record,
-names files as they were)."""
+other train.py command's config, overrides and world size load; every plan.py command plans; what needs a GPU, a
+download or your own files is named below, and a command a page gains must be placed in one of these groups. Every
+link between the pages leads to a page and heading that exist, and every file of the repository a page names exists
+(docs/log.md, a dated record, names files as they were)."""
 
 import re
 import shlex
