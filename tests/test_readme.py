@@ -127,6 +127,7 @@ def test_every_plan_and_bench_command_plans_or_loads(capsys):
             parallel.check_ep(cfg.parallel.ep, world, cfg.model_config().n_routed_experts)
 
 
+@pytest.mark.slow
 def test_the_cpu_commands_run_as_written_in_order(data, tmp_path, monkeypatch):
     for name in ("configs", "data"):
         (tmp_path / name).symlink_to(ROOT / name)
