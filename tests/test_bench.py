@@ -80,6 +80,7 @@ def _sharded_worker(rank: int, world: int, port: int, out) -> None:
     leave_process_group()
 
 
+@pytest.mark.slow
 def test_layers_are_timed_under_fsdp2_and_expert_parallelism(tmp_path):
     mp.spawn(_sharded_worker, args=(2, free_port(), tmp_path), nprocs=2)
     for rank in range(2):
@@ -99,6 +100,7 @@ def _bench_worker(rank: int, world: int, port: int, out, overrides: list[str]) -
 @pytest.mark.parametrize("overrides, moe", [(["--parallel.ep=2"], True),
                                             (["--parallel.ep=2", "--model.n_dense_layers=3", "--model.n_mtp_layers=0"],
                                              False)], ids=["moe", "dense-only"])
+@pytest.mark.slow
 def test_bench_at_ep_2_reports_the_ep_share_where_tokens_are_routed(tmp_path, overrides, moe):
     mp.spawn(_bench_worker, args=(2, free_port(), tmp_path, overrides), nprocs=2)
     result = json.loads((tmp_path / "rank-0.json").read_text())

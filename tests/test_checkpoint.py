@@ -69,6 +69,7 @@ def world4(data, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("world,ep", [(2, 2), (2, 1), (1, 1)], ids=["world2-ep2", "world2-ep1", "world1"])
+@pytest.mark.slow
 def test_world4_checkpoint_resumes_at_another_world_size(world4, tmp_path, world, ep):
     shutil.copytree(world4 / f"step-{SAVED_AT}", tmp_path / f"step-{SAVED_AT}")
     launch(world, [*ARGS, f"--parallel.ep={ep}", f"--checkpoint.dir={tmp_path}", "--resume"])
@@ -127,6 +128,7 @@ def test_resume_keeps_its_own_betas_and_weight_decay_and_the_saved_moments(tmp_p
     assert torch.equal(resumed.state[model.weight]["exp_avg_sq"], moments)
 
 
+@pytest.mark.slow
 def test_export_written_by_two_ranks_holds_the_full_model(tmp_path):
     """Each rank writes its shards and assembles its share of the files: full tensors, one file per block, equal
     to the last checkpoint; readable by plain safetensors and by export.load_weights; nothing left behind."""
@@ -342,6 +344,7 @@ def _record_outcome(results: Path, rank: int, action: Callable[[], None], succes
     leave_process_group()
 
 
+@pytest.mark.slow
 def test_a_run_directory_one_rank_cannot_write_stops_every_rank(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
@@ -364,6 +367,7 @@ def _rename_fails_on_rank_0(rank: int, world: int, port: int, run_dir: Path, res
     leave_process_group()
 
 
+@pytest.mark.slow
 def test_a_rename_that_fails_on_rank_0_ends_every_rank_with_its_error(tmp_path):
     """Only rank 0 renames step-N.tmp to step-N; when that failed, the other ranks waited at the barrier after it
     for a rank that had left, until the collective's timeout (NCCL's: 10 minutes)."""
@@ -396,6 +400,7 @@ def _lock_rank(rank: int, world: int, port: int, run_dir: Path, results: Path) -
     _record_outcome(results, rank, lambda: rundir.lock_run_dir(run_dir), "locked")
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_locked_directory_is_refused_on_every_rank_until_the_holder_dies(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK.format(root=str(ROOT), run_dir=str(tmp_path))],
                               stdout=subprocess.PIPE, text=True)
@@ -422,6 +427,7 @@ def _with_compute_copies(seed: int = 0) -> tuple[Transformer, torch.optim.Optimi
     return model, train.build_optimizer(model, t, torch.device("cpu")), t
 
 
+@pytest.mark.slow
 def test_a_run_with_compute_copies_checkpoints_fp32_weights_and_resumes_exactly(tmp_path):
     """The checkpoint holds the fp32 parameters, not their bf16 compute copies; after a load the copies are
     remade from the loaded weights (a stale copy would train on the fresh init)."""

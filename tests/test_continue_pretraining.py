@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -19,6 +20,8 @@ from conftest import ROOT, load_export, read_metrics
 from dsv3.config import ModelConfig
 from dsv3.model import Transformer
 from dsv3.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow  # five scripts in subprocesses, one of them training
 
 WEB = [f"The river {i} runs past {i * 7} old mills; the town keeps its bridges and its {i % 5} bells." * 3
        for i in range(48)]

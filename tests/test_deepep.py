@@ -257,6 +257,7 @@ def test_a_rank_that_received_no_tokens_runs_forward_and_backward(align):
 
 
 @pytest.mark.parametrize("align", [1, 16])
+@pytest.mark.slow
 def test_compiled_dispatcher_compiles_the_expert_side_and_matches_the_local_dispatcher(align):
     """Under torch.compile (dynamo + AOTAutograd, eager kernels) only DeepEP's calls (and the bucket size) break
     the graph: the expand/sort and the weighted reduce land in compiled forward graphs, and outputs and gradients

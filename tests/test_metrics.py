@@ -219,6 +219,7 @@ def test_missing_wandb_is_a_clear_error_only_when_enabled(tmp_path, monkeypatch)
         MetricsLogger(str(tmp_path), {}, use_wandb=True)
 
 
+@pytest.mark.slow
 def test_metrics_module_does_not_import_wandb():
     code = "import sys; import dsv3.metrics; assert 'wandb' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -274,6 +275,7 @@ def read_wandb_history(path: str) -> dict[int, dict[str, float]]:
     return rows
 
 
+@pytest.mark.slow
 def test_offline_wandb_run_records_the_logged_metrics(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):

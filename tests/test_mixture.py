@@ -130,6 +130,7 @@ def run(run_dir: Path, sources: dict[str, Path], *overrides: str, weights: str =
     return read_metrics(run_dir)
 
 
+@pytest.mark.slow
 def test_training_on_a_mixture_logs_tokens_and_val_loss_per_source(sources, tmp_path, capsys):
     metrics = run(tmp_path / "run", sources, "--train.steps=4", "--train.val_every=4", "--train.val_batches=1")
     banner = capsys.readouterr().out
@@ -141,6 +142,7 @@ def test_training_on_a_mixture_logs_tokens_and_val_loss_per_source(sources, tmp_
     assert val["val_loss/prose"] != val["val_loss/code"]
 
 
+@pytest.mark.slow
 def test_a_killed_mixture_run_resumes_exactly(sources, tmp_path, monkeypatch):
     args = ["--train.steps=6", "--train.val_every=3", "--train.val_batches=1", "--checkpoint.every=3"]
     weights = "prose:0.5,code:0.3,numbers:0.2"
@@ -199,6 +201,7 @@ def test_data_tokenized_unlike_the_init_from_weights_is_refused_before_the_build
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_resuming_with_other_data_is_refused_before_the_model_is_built(sources, tmp_path, monkeypatch):
     """The checkpoint restores only the keys this run's state has: a dropped source must not pass unnoticed; it and
     another seq_len are caught from the saved data state alone, before a model is built and loaded."""

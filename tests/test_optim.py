@@ -113,6 +113,7 @@ def _sharded_moments_worker(rank: int, port: int, out_path: str) -> None:
     leave_process_group()
 
 
+@pytest.mark.slow
 def test_shards_draw_the_noise_of_their_rows_of_the_whole_tensor(tmp_path):
     """At two ranks each shard once drew the stream of a tensor starting at element 0: the same noise on every
     rank. Now a shard hashes its elements' places in the whole tensor, so the sharded run rounds as one process."""
@@ -124,6 +125,7 @@ def test_shards_draw_the_noise_of_their_rows_of_the_whole_tensor(tmp_path):
     assert (whole[:4] != whole[4:]).float().mean() > 0.3  # the two shards' rows drew different noise
 
 
+@pytest.mark.slow
 def test_bf16_state_is_bf16_and_trains_the_debug_model_like_fp32_state():
     """50 steps on a fixed batch of the debug model: the loss curves agree within 2% of the starting loss at every
     step (stochastic rounding makes them differ a little, not drift apart)."""

@@ -137,6 +137,7 @@ def reference() -> dict:
 
 @pytest.mark.parametrize("world,ep,ac", [(2, 1, "none"), (2, 2, "none"), (4, 1, "none"), (4, 2, "none"), (4, 4, "none"),
                                          (4, 2, "selective"), (2, 2, "full")])
+@pytest.mark.slow
 def test_sharded_training_matches_single_process(world, ep, ac, reference, tmp_path):
     out = tmp_path / "rank0.pt"
     mp.spawn(_worker, args=(world, ep, free_port(), str(out), ac), nprocs=world)
@@ -150,6 +151,7 @@ def test_sharded_training_matches_single_process(world, ep, ac, reference, tmp_p
         torch.testing.assert_close(got["params"][name], param, rtol=1e-4, atol=1e-4, msg=name)
 
 
+@pytest.mark.slow
 def test_bf16_adamw_moments_are_sharded_like_their_parameters_and_track_the_single_process_run(tmp_path):
     """FSDP2 + EP 2 with `optimizer_state_dtype=bf16`: every moment is a bf16 DTensor shard, and the run tracks
     one process's (the shards draw the whole tensor's rounding noise, but sharded reductions sum in another order,
@@ -186,6 +188,7 @@ def _fsdp_units_worker(rank: int, world: int, ep: int, port: int, out_path: str)
         out_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,ep", [(2, 2), (2, 1)])
 def test_experts_leave_fsdp_only_where_its_mesh_would_have_one_rank(world, ep, tmp_path):
     """ep == world: the experts' FSDP unit would have one rank (hooks, casts and copies for nothing): they stay out
@@ -202,6 +205,7 @@ def test_experts_leave_fsdp_only_where_its_mesh_would_have_one_rank(world, ep, t
         assert not got["copies"]
 
 
+@pytest.mark.slow
 def test_a_rank_that_receives_no_tokens_trains_like_the_single_process_run(tmp_path):
     """Routing can leave a rank's experts without a single token (seen at EP 4 on GPUs, where the empty grouped
     GEMM's backward failed). Its experts then get zero gradients, and everything else matches world 1."""
@@ -287,6 +291,7 @@ def _compiled_ac_worker(rank: int, world: int, ep: int, port: int, out_path: str
 
 
 @pytest.mark.parametrize("ac,ep", [("selective", 2), ("full", 2), ("selective", 1)])
+@pytest.mark.slow
 def test_compile_reaches_checkpointed_moe_blocks(ac, ep, tmp_path):
     """Activation checkpointing + torch.compile on 2 ranks: the MoE blocks' expert GEMMs run compiled (a graph
     break inside a compiled checkpoint once sent whole MoE blocks back to eager), and the compiled run's loss
@@ -329,6 +334,7 @@ def _exchange_count_worker(rank: int, world: int, port: int, out_path: str) -> N
     _save_from_rank_0_and_leave(rank, counts, out_path)
 
 
+@pytest.mark.slow
 def test_selective_ac_recompute_does_not_exchange_again(tmp_path):
     """Selective AC keeps EP's exchanged tokens and counts: its recompute talks to no other rank."""
     out = tmp_path / "rank0.pt"
@@ -436,6 +442,7 @@ def _accumulation_worker(rank: int, world: int, port: int, out_path: str) -> Non
     _save_from_rank_0_and_leave(rank, result, out_path)
 
 
+@pytest.mark.slow
 def test_gradients_are_reduce_scattered_every_micro_batch_and_train_as_accumulating_them_does(tmp_path):
     out = tmp_path / "rank0.pt"
     assert TRAIN.global_batch // (2 * TRAIN.micro_batch) == 2  # two micro-batches per rank and step
@@ -486,6 +493,7 @@ def _grads_of_first_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]
 
 
 @pytest.mark.parametrize("ac", ["none", "full"])
+@pytest.mark.slow
 def test_compute_copies_train_one_rank_as_fsdp_mixed_precision(ac, tmp_path):
     """At one rank, bf16 compute copies (no FSDP) train as FSDP2's bf16-param / fp32-reduce mixed precision does:
     the same bf16 weights in forward (step 1's losses are bit-equal), the same fp32 sums of TRAIN's 4 micro-batch

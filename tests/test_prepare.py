@@ -183,6 +183,7 @@ def test_a_kill_while_the_staging_directory_is_removed_does_not_block_the_next_r
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("out")) == ["out", "out.lock"]
 
 
+@pytest.mark.slow
 def test_sigkilled_workers_leave_units_a_rerun_finishes_identically(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -318,6 +319,7 @@ def test_val_shorter_than_a_default_sequence_is_warned_about_at_prepare_time(tmp
     assert "warning" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_an_input_error_prints_on_its_own_line_after_the_progress_bar(tmp_path):
     (tmp_path / "docs.jsonl").write_bytes(jsonl_bytes(DOCS) + b"not json\n")
     result = subprocess.run(

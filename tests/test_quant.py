@@ -234,6 +234,7 @@ def test_mxfp8_emulated_experts_follow_the_bf16_experts():
     assert low.float()(x.float(), counts).dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_mxfp8_emulated_imports_torchao_without_its_enum_deprecation_warnings():
     """torchao 0.18 registers its config enums as pytree constants, which torch 2.13 deprecates with a warning per
     enum when torchao is imported: a fresh process, so that nothing imported torchao before."""
@@ -485,6 +486,7 @@ def _ep_worker(rank: int, world: int, port: int, out_path: str) -> None:
     leave_process_group()
 
 
+@pytest.mark.slow
 def test_all_to_all_dispatcher_keeps_the_alignment_and_matches_one_process(tmp_path):
     out = tmp_path / "errors.pt"
     mp.spawn(_ep_worker, args=(2, free_port(), str(out)), nprocs=2)

@@ -47,6 +47,7 @@ def _rank(rank: int, world: int, port: int, signalled_at: int, out: Path) -> Non
     leave_process_group()
 
 
+@pytest.mark.slow
 def test_a_signal_that_reaches_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     mp.spawn(_rank, args=(2, free_port(), 4, tmp_path), nprocs=2)
     assert [(tmp_path / f"rank-{rank}").read_text() for rank in range(2)] == ["4 4", "4 4"]

@@ -88,6 +88,7 @@ def unigram_val_loss(seq_len: int, n_sequences: int) -> float:
     return float(-np.log(counts[targets] / counts.sum()).mean())
 
 
+@pytest.mark.slow
 def test_debug_model_learns_bundled_corpus(learned):
     rows = read_metrics(learned)
     val = {step: row["val_loss"] for step, row in rows.items() if "val_loss" in row}
@@ -103,6 +104,7 @@ def test_debug_model_learns_bundled_corpus(learned):
     assert sorted(s for s, row in rows.items() if "loss" in row) == list(range(1, LEARN_STEPS + 1))
 
 
+@pytest.mark.slow
 def test_export_loads_into_a_fresh_model_and_matches_the_last_checkpoint(learned):
     export = learned / "export"
     cfg = ModelConfig(**json.loads((export / "config.json").read_text()))
@@ -126,6 +128,7 @@ def test_export_loads_into_a_fresh_model_and_matches_the_last_checkpoint(learned
         torch.testing.assert_close(exported.eval()(tokens), trained.eval()(tokens), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_init_from_starts_from_exported_weights(learned, tmp_path):
     # lr 1e-30 (lr must be > 0) is below fp32 resolution, and no bias update: one step must leave the imported
     # weights exactly as they were
@@ -143,6 +146,7 @@ def test_init_from_starts_from_exported_weights(learned, tmp_path):
         torch.testing.assert_close(after[name], value, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_init_from_names_the_fields_it_differs_in_without_a_shape_change(learned, tmp_path):
     """A converted release's RoPE or routing fields may differ from the run's config: no shape shows it, so it is
     said (the run keeps its own values); a config.json cut short is one clear error."""
@@ -166,6 +170,7 @@ SCHEDULE = [*TINY, "--train.steps=8", "--train.warmup_steps=2", "--train.decay_s
 
 
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])  # bf16: stochastically rounded moments, saved as bf16
+@pytest.mark.slow
 def test_resume_continues_exactly(data, tmp_path, monkeypatch, state_dtype):
     schedule = [*SCHEDULE, f"--train.optimizer_state_dtype={state_dtype}"]
     straight = run(tmp_path / "straight", *schedule)
@@ -205,6 +210,7 @@ def dcp_metadata(path: Path) -> dict:
 
 
 @pytest.mark.parametrize("failing", ["dcp.save", "os.replace"])
+@pytest.mark.slow
 def test_crash_mid_save_keeps_previous_checkpoint(data, tmp_path, monkeypatch, failing):
     args = [*TINY, "--train.steps=4", "--checkpoint.every=2"]
     if failing == "dcp.save":  # half the shards written, then the disk fills
@@ -243,6 +249,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(data, tmp_path, monkeypatch, f
 
 
 @pytest.mark.parametrize("log_every", [1, 100], ids=["logged-every-step", "found-at-checkpoint"])
+@pytest.mark.slow
 def test_nan_loss_stops_the_run_and_leaves_only_checkpoints_from_before_it(data, tmp_path, monkeypatch, log_every):
     def poison(model: Transformer) -> None:
         with torch.no_grad():
@@ -264,6 +271,7 @@ def test_nan_loss_stops_the_run_and_leaves_only_checkpoints_from_before_it(data,
     assert all(math.isfinite(resumed[step]["loss"]) for step in range(3, 7))
 
 
+@pytest.mark.slow
 def test_a_divergence_before_any_checkpoint_says_to_start_again(data, tmp_path, monkeypatch):
     stop_at(monkeypatch, 2, lambda model: model.embed.weight.data.fill_(float("nan")))
     with pytest.raises(FloatingPointError, match=r"^loss is nan at step 2; .*, no checkpoint from before it is "
@@ -272,6 +280,7 @@ def test_a_divergence_before_any_checkpoint_says_to_start_again(data, tmp_path, 
         run(tmp_path, *TINY, "--train.steps=3", "--checkpoint.every=100")
 
 
+@pytest.mark.slow
 def test_an_exploding_update_is_caught_before_its_weights_become_the_checkpoint_to_resume(data, tmp_path,
                                                                                           monkeypatch):
     """Step 6's update explodes the weights (finite, but huge) and step-6 is saved with them; only step 7's loss
@@ -300,6 +309,7 @@ def test_an_exploding_update_is_caught_before_its_weights_become_the_checkpoint_
     assert all(resumed[step]["loss"] < math.log(4096) + 0.1 for step in range(5, 9))
 
 
+@pytest.mark.slow
 def test_resume_on_a_finished_run_says_so_and_trains_nothing(data, tmp_path, monkeypatch, capsys):
     run(tmp_path, *TINY, "--train.steps=1", "--checkpoint.every=1")
     monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
@@ -308,6 +318,7 @@ def test_resume_on_a_finished_run_says_so_and_trains_nothing(data, tmp_path, mon
     assert f"{tmp_path / 'step-1'} is the end of this run (train.steps=1): nothing to train" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_resume_on_a_finished_run_whose_export_was_cut_short_writes_it(data, tmp_path, capsys):
     run(tmp_path, *TINY, "--train.steps=1", "--checkpoint.every=1", "--checkpoint.export=true")
     shutil.rmtree(tmp_path / "export")  # killed while exporting: export.tmp, or nothing, is left
@@ -317,6 +328,7 @@ def test_resume_on_a_finished_run_whose_export_was_cut_short_writes_it(data, tmp
     assert (tmp_path / "export" / "config.json").is_file() and sorted(rows) == [1]  # no step trained again
 
 
+@pytest.mark.slow
 def test_a_finished_run_keeps_its_last_vouched_checkpoint_beside_the_unjudged_last_one(data, tmp_path):
     """No step judged the last checkpoint's weights: it stays unconfirmed, and pruning (keep 1) keeps the newest
     one a step vouched for, which a continued run that diverges at once falls back to."""
@@ -325,6 +337,7 @@ def test_a_finished_run_keeps_its_last_vouched_checkpoint_beside_the_unjudged_la
         ("step-2", True), ("step-4", False)]
 
 
+@pytest.mark.slow
 def test_a_resumed_run_judges_its_first_steps_against_the_saved_running_means(data, tmp_path):
     """A fresh guard judges no spike before 5 healthy steps: resumed, a loss blown up at once went unnoticed."""
     run(tmp_path, *TINY, "--train.steps=6", "--checkpoint.every=6", "--train.loss_spike_factor=3")
@@ -459,6 +472,7 @@ def test_wandb_without_the_package_is_one_line_naming_pip_install_before_buildin
         run(tmp_path, *TINY, "--log.wandb=true")
 
 
+@pytest.mark.slow
 def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(data, tmp_path, monkeypatch):
     """Rotation would delete the new run's own checkpoints (the old ones have higher steps), and a later
     --resume would pick up the old run: stop before anything is built."""
@@ -469,6 +483,7 @@ def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(data, 
     assert (tmp_path / "step-300").is_dir()
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_live_runs_directory_is_refused_with_the_holders_pid_and_host(data, tmp_path,
                                                                                         monkeypatch):
     with open(tmp_path / "lock", "w") as live_run:  # as a run in another process holds it
@@ -490,12 +505,14 @@ def train_py(*args: str, env: dict[str, str] | None = None, launcher: list[str] 
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+@pytest.mark.slow
 def test_bad_config_value_is_one_line_on_stderr_and_exit_code_2():
     out, err = train_py("--config", CONFIG, "--train.lr=-1").communicate(timeout=120)
     assert err.splitlines() == ["error: train.lr must be > 0, got -1.0"]
     assert "Traceback" not in out + err
 
 
+@pytest.mark.slow
 def test_help_lists_every_section_and_exits_0():
     process = train_py("--help")
     out, err = process.communicate(timeout=120)
@@ -504,6 +521,7 @@ def test_help_lists_every_section_and_exits_0():
     assert all(f"[{section}]" in out for section in ("model", "train", "data", "parallel", "checkpoint", "log"))
 
 
+@pytest.mark.slow
 def test_error_after_the_process_group_exists_is_one_line_from_rank_0_and_no_rank_hangs(data):
     """parallel.ep=3 at world 2 is refused after init_process_group: both ranks leave with code 2, only rank 0
     says why, and tearing the group down prints nothing."""
@@ -516,6 +534,7 @@ def test_error_after_the_process_group_exists_is_one_line_from_rank_0_and_no_ran
     assert err1 == ""
 
 
+@pytest.mark.slow
 def test_short_run_prints_a_banner_then_step_1_and_no_warnings(data, tmp_path):
     """What a newcomer's first run shows: the banner, a first line at step 1, and no library warnings
     (the checkpoint and export paths included)."""
@@ -557,6 +576,7 @@ def stop_line(out: str, sig: signal.Signals, run_dir: Path) -> tuple[int, str]:
     return int(stopped[1]), stopped[3]
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_the_step_in_flight_exits_130_and_the_printed_command_resumes_exactly(data, tmp_path):
     straight = run(tmp_path / "straight", *STOP)
     run_dir = tmp_path / "stopped"
@@ -574,6 +594,7 @@ def test_ctrl_c_saves_the_step_in_flight_exits_130_and_the_printed_command_resum
     assert_same_training(read_metrics(run_dir), straight)
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_stops_both_ranks_after_one_step_saved_and_resumes_exactly(data, tmp_path):
     """torchrun passes the signal on to its workers (each in its own session, so a terminal's Ctrl-C reaches them
     this way too), waits for them, then exits 1 itself; rank 0 alone says where the run stopped."""
@@ -601,6 +622,7 @@ def test_sigterm_to_torchrun_stops_both_ranks_after_one_step_saved_and_resumes_e
     assert_same_training(read_metrics(run_dir), read_metrics(tmp_path / "straight"))
 
 
+@pytest.mark.slow
 def test_signals_during_the_stops_save_change_nothing_and_the_checkpoint_before_stays_intact(data, tmp_path,
                                                                                              monkeypatch):
     """SIGTERM during step 3; a Ctrl-C and a second SIGTERM (Slurm's and torchrun's copies of one stop) while its
@@ -737,6 +759,7 @@ def test_validation_scores_at_most_one_pass_over_the_split():
     assert loss == pytest.approx(sum(losses) / 2, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_plot_draws_a_real_run(learned, tmp_path):
     from scripts.plot import plot_runs, read_jsonl
 
