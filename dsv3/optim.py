@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -81,24 +80,12 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         exp_avg_sq.copy_(v)
 
 
-def adamw_update_group(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                       exp_avg_sqs: list[torch.Tensor], step_size: torch.Tensor, decay: torch.Tensor, beta1: float,
-                       beta2: float, eps: float, bias_correction2_sqrt: torch.Tensor, grad_scale: torch.Tensor,
-                       seed: torch.Tensor, salts: list[torch.Tensor], copies: list[torch.Tensor | None]) -> None:
-    """`adamw_update` of each tensor of a group that shares the step's scalars."""
-    for i in range(len(params)):
-        adamw_update(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], step_size, decay, beta1, beta2, eps,
-                     bias_correction2_sqrt, grad_scale, seed, salts[i], copies[i])
-
-
 # On CUDA: one fused kernel per tensor (read θ, g, m, v once, write θ, m, v once), compiled for its size: a
 # static size gets aligned, vectorised loads that a dynamic one does not (bf16 moments reach the bandwidth fp32
-# ones do). One compiled call updates up to GROUP tensors of one size (1-D views): a call per tensor cost the host
-# more than the GPU's update of small tensors took. A model compiles a few variants per distinct size (12 to 15 in
-# configs/): `AdamW.step` raises dynamo's limit of 8 compiled variants per function to _COMPILED_VARIANTS.
-_adamw_update_group_cuda = torch.compile(adamw_update_group, dynamic=False)
+# ones do). Over 1-D views, a model compiles one kernel per distinct size (12 to 15 in configs/): `AdamW.step`
+# raises dynamo's limit of 8 compiled variants per function to _COMPILED_VARIANTS; past it, a size runs eagerly.
+_adamw_update_cuda = torch.compile(adamw_update, dynamic=False)
 _COMPILED_VARIANTS = 64
-GROUP = 16
 
 
 class ComputeCopies:
@@ -186,16 +173,16 @@ class ComputeCopies:
         total = self._fp32_grad.get(p)
         return total if total is not None else self.copy_of[p].grad
 
-    def updates(self, params: Iterable[nn.Parameter]) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor | None]]:
+    def updates(self, params: Iterable[nn.Parameter]
+                ) -> Iterator[tuple[nn.Parameter, torch.Tensor, torch.Tensor | None]]:
         """(weight, gradient, copy or None) of each of `params` that has a gradient, for an update that writes the
-        weight and its copy in one pass; call `written` once it has."""
-        return [(p, grad, self.copy_of.get(p)) for p in params if (grad := self.grad(p)) is not None]
-
-    def written(self, params: Iterable[nn.Parameter]) -> None:
-        """`params` and their copies were just updated together: the copies are current."""
+        weight and its copy in one pass; a copy counts as written once the update of the next one is asked for."""
         for p in params:
-            if p in self.copy_of:
-                self._written_at[p] = self._stamp(p)
+            grad = self.grad(p)
+            if grad is not None:
+                yield p, grad, self.copy_of.get(p)
+                if p in self.copy_of:
+                    self._written_at[p] = self._stamp(p)
 
     def zero_grad(self) -> None:
         self._fp32_grad.clear()
@@ -225,11 +212,11 @@ class AdamW(torch.optim.Optimizer):
         self.salts = {p: torch.tensor(rounding_salt(i, p), device=_flat_local(p).device) for i, p in enumerate(params)}
         self.register_load_state_dict_post_hook(_moments_back_to_state_dtype)
 
-    def _updates(self, params: list[nn.Parameter]) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor | None]]:
+    def _updates(self, params: list[nn.Parameter]) -> Iterable[tuple[nn.Parameter, torch.Tensor, torch.Tensor | None]]:
         """(weight, gradient, compute copy or None) of each parameter with a gradient."""
         if self.compute_copies is not None:
             return self.compute_copies.updates(params)
-        return [(p, p.grad, None) for p in params if p.grad is not None]
+        return ((p, p.grad, None) for p in params if p.grad is not None)
 
     def grads(self) -> list[torch.Tensor]:
         """The gradients the next `step` applies."""
@@ -252,13 +239,10 @@ class AdamW(torch.optim.Optimizer):
         # floats: a compiled update would recompile for every lr and t. Computed in doubles and rounded to fp32 once,
         # as torch.optim.AdamW's Python scalars are: no fp64 arithmetic per element, which slowed the fused update.
         scalars: dict = {}
-        groups: dict[tuple, list[tuple]] = defaultdict(list)  # tensors that one compiled call can update together
-        updated: list[nn.Parameter] = []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, weight_decay = group["lr"], group["weight_decay"]
-            updates = self._updates(group["params"])
-            for p, grad, copy in updates:
+            for p, grad, copy in self._updates(group["params"]):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
@@ -281,18 +265,7 @@ class AdamW(torch.optim.Optimizer):
                     own.adamw_update(p, grad, state["exp_avg"], state["exp_avg_sq"], step_size, decay, beta1, beta2,
                                      group["eps"], bias_correction2_sqrt, scale, seed, self.salts[p])
                     continue
-                grad = _flat_local(grad)
-                shape = (param.numel(), param.dtype, grad.dtype, self.state_dtype, None if copy is None else copy.dtype)
-                groups[(key, group["eps"], shape)].append(
-                    (param, grad, _flat_local(state["exp_avg"]), _flat_local(state["exp_avg_sq"]), self.salts[p],
-                     None if copy is None else copy.view(-1)))
-            updated += [p for p, _, _ in updates]
-        for ((lr, weight_decay, beta1, beta2, t, device), eps, _), tensors in groups.items():
-            step_size, decay, bias_correction2_sqrt, scale, seed = scalars[(lr, weight_decay, beta1, beta2, t, device)]
-            update = _adamw_update_group_cuda if device.type == "cuda" else adamw_update_group
-            for start in range(0, len(tensors), GROUP):
-                params, grads, exp_avgs, exp_avg_sqs, salts, copies = map(list, zip(*tensors[start:start + GROUP]))
-                update(params, grads, exp_avgs, exp_avg_sqs, step_size, decay, beta1, beta2, eps, bias_correction2_sqrt,
-                       scale, seed, salts, copies)
-        if self.compute_copies is not None:
-            self.compute_copies.written(updated)
+                update = _adamw_update_cuda if param.is_cuda else adamw_update
+                update(param, _flat_local(grad), _flat_local(state["exp_avg"]), _flat_local(state["exp_avg_sq"]),
+                       step_size, decay, beta1, beta2, group["eps"], bias_correction2_sqrt, scale, seed, self.salts[p],
+                       None if copy is None else copy.view(-1))

@@ -359,33 +359,3 @@ def test_a_copy_is_remade_when_its_parameter_changed_outside_the_update():
         with copies.active():
             model(micro[:, :-1])
         assert torch.equal(copies.copy_of[weight], weight.to(torch.bfloat16))
-
-
-def test_the_grouped_update_leaves_every_copy_current_and_equals_one_update_per_tensor():
-    """AdamW.step updates tensors of one size in groups (one compiled call each on CUDA); each tensor's new weight,
-    moments and copy equal `adamw_update`'s of it alone, and no copy is remade when the next forward begins."""
-    model = _with_copies()
-    copies = model.compute_copies
-    with copies.active():
-        _total_loss(model, _micro_batches()[0]).backward()
-    optimizer = optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, compute_copies=copies)
-    expected = {}
-    for p in model.parameters():
-        param, m = p.detach().clone().view(-1), torch.zeros(p.numel(), dtype=torch.bfloat16)
-        v = torch.zeros_like(m)
-        copy = torch.empty(p.numel(), dtype=torch.bfloat16)
-        scalars = [torch.tensor(x, dtype=torch.float32) for x in (1e-2 / (1 - 0.9), 1 - 1e-2 * 0.1, (1 - 0.999) ** 0.5)]
-        optim.adamw_update(param, copies.grad(p).view(-1), m, v, scalars[0], scalars[1], 0.9, 0.999, 1e-8, scalars[2],
-                           torch.ones(()), torch.tensor(0x2545F491 % 2**31), optimizer.salts[p], copy)
-        expected[p] = (param, m, v, copy)
-    assert len({p.numel() for p in model.parameters()}) < len(list(model.parameters()))  # some share a group
-    optimizer.step()
-    for p, (param, m, v, copy) in expected.items():
-        state = optimizer.state[p]
-        assert torch.equal(p.detach().view(-1), param) and torch.equal(copies.copy_of[p].view(-1), copy)
-        assert torch.equal(state["exp_avg"].view(-1), m) and torch.equal(state["exp_avg_sq"].view(-1), v)
-    for copy in copies.copy_of.values():  # a remade copy would lose this mark
-        copy.data.fill_(7)
-    with copies.active():
-        pass
-    assert all((copy == 7).all() for copy in copies.copy_of.values())
