@@ -166,12 +166,13 @@ class ComputeCopies:
             copy.grad = None
 
     def grad(self, p: nn.Parameter) -> torch.Tensor | None:
-        """`p`'s gradient: its fp32 sum over micro-batches when they were accumulated, else its copy's (this rank's
-        shard, for a DTensor); a parameter without a copy has its own."""
-        if p not in self.copy_of:
-            return p.grad
+        """`p`'s gradient: its fp32 sum over micro-batches when they were accumulated, else its own where something
+        set one (a parameter without a copy; DCP's zero gradients when it initialises the optimizer state), else its
+        copy's (this rank's shard, for a DTensor)."""
         total = self._fp32_grad.get(p)
-        return total if total is not None else self.copy_of[p].grad
+        if total is not None or p.grad is not None or p not in self.copy_of:
+            return total if total is not None else p.grad
+        return self.copy_of[p].grad
 
     def updates(self, params: Iterable[nn.Parameter]
                 ) -> Iterator[tuple[nn.Parameter, torch.Tensor, torch.Tensor | None]]:
