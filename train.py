@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         memory_plan = check_fits(cfg, world, torch.cuda.get_device_name(device),
                                  torch.cuda.get_device_properties(device).total_memory)
     check_sources(cfg.data.mixture(), mcfg.vocab_size, cfg.checkpoint.init_from)
-    init_from_note = export.check_init_from(cfg.checkpoint.init_from, mcfg) if cfg.checkpoint.init_from else ""
+    init_from_line = export.check_init_from(cfg) if cfg.checkpoint.init_from else ""
     run_dir = Path(cfg.checkpoint.dir)
     rundir.lock_run_dir(run_dir, create=not cfg.checkpoint.resume)  # one run per directory, until it ends
     found = checkpoint.checkpoints(run_dir)
@@ -252,8 +252,8 @@ def main(argv: list[str] | None = None) -> None:
         print(startup_banner(cfg, world, device, memory_plan.summary() if memory_plan else None,
                              describe_mixture(loader, sum(batch_at(s, t, world) for s in range(1, t.steps + 1)))),
               flush=True)
-        if init_from_note:
-            print(init_from_note, flush=True)
+        if init_from_line:
+            print(init_from_line, flush=True)
 
     model = build_model(cfg, world, device)
     optimizer = build_optimizer(model, t, device)

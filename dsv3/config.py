@@ -156,6 +156,38 @@ FLAVORS: dict[str, ModelConfig] = {
 }
 
 
+
+def load_config_json(path: str | Path) -> ModelConfig:
+    """The ModelConfig a dsv3 config.json holds (an export's, convert_hf.py --to-dsv3's). Raises ValueError."""
+    d = json.loads(Path(path).read_text())
+    unknown = sorted(set(d) - {f.name for f in fields(ModelConfig)})
+    if unknown:
+        hint = " (an HF config? convert with scripts/convert_hf.py --to-dsv3)" if "hidden_size" in d else ""
+        raise ValueError(f"{path}: unknown ModelConfig key(s) {', '.join(unknown)}{hint}")
+    return ModelConfig(**d)
+
+
+def hf_checkpoint_error(path: str | Path) -> UserError:
+    return UserError(f"checkpoint.init_from={path} is a Hugging Face checkpoint: convert it first with "
+                     f"python scripts/convert_hf.py --to-dsv3 {path} OUT_DIR, then pass --checkpoint.init_from=OUT_DIR")
+
+
+def saved_model_config(weights_dir: str | Path) -> ModelConfig | None:
+    """The model a checkpoint.init_from directory's config.json describes; None where it has none."""
+    path = Path(weights_dir) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        d = json.loads(path.read_text())
+    except ValueError as e:
+        raise UserError(f"checkpoint.init_from: {path} is not JSON ({e}); export or convert it again") from None
+    if "model_type" in d:  # HF's config.json; ours holds ModelConfig fields only
+        raise hf_checkpoint_error(weights_dir)
+    try:
+        return load_config_json(path)
+    except ValueError as e:
+        raise UserError(f"checkpoint.init_from: {e}") from None
+
 @dataclass
 class TrainConfig:
     steps: int = 1000  # optimizer steps
@@ -244,7 +276,8 @@ class CheckpointConfig:
     resume: bool = False  # continue from the newest checkpoint in dir (also: --resume)
     verify_checksums: bool = True  # on resume, checksum every file (sizes are always checked); off for huge runs
     export: bool = True  # safetensors + config.json at the end
-    init_from: str = ""  # start from these weights: a dsv3 safetensors dir (an export, or convert_hf.py --to-dsv3)
+    # start from these weights and the model their config.json describes ([model] overrides on top, no shape change)
+    init_from: str = ""  # a dsv3 safetensors dir: an export, or convert_hf.py --to-dsv3's output
 
 
 @dataclass
@@ -268,13 +301,16 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def model_config(self) -> ModelConfig:
+        """The model this run trains: the flavor's, or with checkpoint.init_from the one its weights' config.json
+        describes (as from_pretrained builds it), with the [model] overrides on top."""
         if self.flavor not in FLAVORS:
             raise UserError(f"unknown flavor {self.flavor!r}: choose one of {', '.join(FLAVORS)}")
         known = {f.name for f in fields(ModelConfig)}
         unknown = sorted(set(self.model) - known)
         if unknown:
             raise UserError(f"unknown model key(s) {unknown}: {_known_keys('model', unknown[0], known)}")
-        return dataclasses.replace(FLAVORS[self.flavor], **self.model)
+        saved = saved_model_config(self.checkpoint.init_from) if self.checkpoint.init_from else None
+        return dataclasses.replace(saved or FLAVORS[self.flavor], **self.model)
 
 
 _SECTIONS = ("train", "data", "parallel", "checkpoint", "log")
