@@ -24,7 +24,7 @@ from dsv3 import checkpoint, dispatch, export, optim, parallel, quant, rundir
 from dsv3.config import Config, TrainConfig, UserError, help_text, load_config, run_main
 from dsv3.data import MixtureLoader, PackedLoader, check_sources, data_tokenizer, describe_mixture
 from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, import_wandb,
-                          memory_stats, mfu, parameter_counts, peak_flops, startup_banner)
+                          memory_stats, mfu, parameter_counts, peak_flops, run_summary, startup_banner)
 from dsv3.model import Transformer
 from dsv3.moe import update_expert_bias
 from dsv3.plan import check_fits
@@ -341,6 +341,12 @@ def main(argv: list[str] | None = None) -> None:
     if not stopping:
         if cfg.checkpoint.export:
             export.export(run_dir / "export", model, mcfg, data_tokenizer(cfg.data.mixture()))
+        if rank == 0:
+            saved = checkpoint.checkpoints(run_dir)
+            print(run_summary(cfg.checkpoint.dir, str(saved[-1]) if saved else None,
+                              str(run_dir / "export") if cfg.checkpoint.export else None,
+                              [arg for arg in argv if arg not in ("--resume", "--checkpoint.resume=true")],
+                              resume_command(argv), t.steps), flush=True)
     elif rank == 0:
         saved = (f"saved {run_dir / f'step-{step}'}; continue with: {resume_command(argv)}" if cfg.checkpoint.every
                  else "nothing saved (checkpoint.every=0)")

@@ -12,6 +12,7 @@ import json
 import math
 import netrc
 import os
+import shlex
 import time
 from types import ModuleType
 from urllib.parse import urlparse
@@ -140,6 +141,31 @@ def startup_banner(cfg: Config, world: int, device: torch.device, memory_plan: s
         lines.append(f"memory  {memory_plan}")
     lines.append(f"data    {data}")
     lines.append(f"run dir {cfg.checkpoint.dir}")
+    return "\n".join(lines)
+
+
+def run_summary(run_dir: str, last_checkpoint: str | None, export_dir: str | None, run_args: list[str],
+                resume: str, steps: int) -> str:
+    """The run's last lines: where its results are, and the commands for what comes next, each as it can be pasted
+    (a trailing comment says what it does). `run_args`: train.py's arguments; `resume`: the command continuing
+    this run (dsv3.stop.resume_command)."""
+    lines = [f"results in {run_dir}:", f"  metrics     {os.path.join(run_dir, 'metrics.jsonl')} (expert_load.jsonl "
+                                       "beside it)"]
+    if last_checkpoint:
+        lines.append(f"  checkpoint  {last_checkpoint}")
+    if export_dir:
+        lines.append(f"  export      {export_dir} (config.json, *.safetensors, the tokenizer)")
+    lines += ["next:", f"  python scripts/plot.py {shlex.quote(run_dir)}  # plots into "
+                       f"{os.path.join(run_dir, 'plots')}/"]
+    if export_dir:
+        lines += [f"  python scripts/generate.py {shlex.quote(export_dir)} --prompt 'The'  # sample text",
+                  f"  python scripts/convert_hf.py --to-hf {shlex.quote(export_dir)} "
+                  f"{shlex.quote(os.path.join(run_dir, 'hf'))}  # for transformers"]
+    elif last_checkpoint:
+        lines.append(f"  python scripts/generate.py {shlex.quote(last_checkpoint)} {shlex.join(run_args)} "
+                     "--prompt 'The'  # sample text")
+    if last_checkpoint:
+        lines.append(f"  {resume} --train.steps={2 * steps}  # train on")
     return "\n".join(lines)
 
 

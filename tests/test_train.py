@@ -28,6 +28,8 @@ from dsv3.config import FLAVORS, Config, DataConfig, ModelConfig, TrainConfig, U
 from dsv3.hf import config_from_hf, config_to_hf, save_config
 from dsv3.model import Transformer
 from conftest import free_port, load_export, read_metrics, torchrun_vars
+from scripts import convert_hf, generate
+from scripts import plot as plot_script
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "configs" / "debug.toml")
@@ -505,6 +507,40 @@ def test_short_run_prints_a_banner_then_step_1_and_no_warnings(data, tmp_path):
     assert [line.split(" |")[0] for line in lines if line.startswith("step ")] == ["step 1/3", "step 3/3", "step 3/3"]
     assert (tmp_path / "export" / "model.safetensors.index.json").is_file()
 
+
+
+def test_a_finished_run_ends_naming_its_results_and_next_commands_that_run_as_printed(data, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run(run_dir, *TINY[:-1], "--train.steps=2")  # exported, and checkpointed at its last step
+    out = capsys.readouterr().out
+    summary = out[out.index(f"results in {run_dir}:"):].splitlines()
+    assert summary[:5] == [f"results in {run_dir}:",
+                           f"  metrics     {run_dir}/metrics.jsonl (expert_load.jsonl beside it)",
+                           f"  checkpoint  {run_dir}/step-2",
+                           f"  export      {run_dir}/export (config.json, *.safetensors, the tokenizer)", "next:"]
+    plot, sample, to_hf, train_on = (shlex.split(line, comments=True) for line in summary[5:])
+    assert plot == ["python", "scripts/plot.py", str(run_dir)]
+    plot_script.main(plot[2:])
+    assert f"{run_dir}/plots/loss.png" in capsys.readouterr().out.splitlines()
+    assert sample[:3] == ["python", "scripts/generate.py", str(run_dir / "export")]
+    generate.main(sample[2:] + ["--max-tokens=4"])
+    assert capsys.readouterr().out.startswith("The")
+    assert to_hf[:3] == ["python", "scripts/convert_hf.py", "--to-hf"]
+    convert_hf.main(to_hf[2:])
+    assert (run_dir / "hf" / "config.json").is_file()
+    assert train_on[:2] == ["python", "train.py"] and train_on[-2:] == ["--resume", "--train.steps=4"]
+    train.main(train_on[2:])
+    assert max(read_metrics(run_dir)) == 4
+
+
+def test_a_run_without_an_export_names_the_sampling_command_for_its_checkpoint(data, tmp_path, capsys):
+    run(tmp_path, *TINY, "--train.steps=1")
+    out = capsys.readouterr().out
+    assert "  export      " not in out
+    sample = next(shlex.split(line, comments=True) for line in out.splitlines() if "scripts/generate.py" in line)
+    assert sample[:3] == ["python", "scripts/generate.py", str(tmp_path / "step-1")]
+    generate.main(sample[2:] + ["--max-tokens=4", "--temperature=0"])
+    assert capsys.readouterr().out.startswith("The")
 
 # --- stopping like a cluster job: SIGTERM or Ctrl-C saves the step in flight -----------------------------
 
