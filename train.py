@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from dsv3 import checkpoint, dispatch, export, optim, parallel, quant, rundir
 from dsv3.config import Config, TrainConfig, UserError, help_text, load_config, run_main
 from dsv3.data import MixtureLoader, PackedLoader, check_sources, data_tokenizer, describe_mixture
+from dsv3.determinism import make_deterministic
 from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, import_wandb,
                           memory_stats, mfu, parameter_counts, peak_flops, run_summary, startup_banner)
 from dsv3.model import Transformer
@@ -203,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(config_path, overrides)
     mcfg, t = cfg.model_config(), cfg.train
 
+    if t.deterministic:  # before CUDA, cuBLAS and NCCL start
+        make_deterministic()
     # Check every input before anything expensive is built.
     rank, world, device = parallel.init_distributed(t.device)
     check_setup(cfg, world, device)

@@ -223,6 +223,7 @@ class TrainConfig:
     val_every: int = 100  # validate every N steps and at the end; 0: never
     val_batches: int = 8  # global batches per validation
     seed: int = 0  # model init and data order
+    deterministic: bool = False  # bit-identical losses and weights for one seed, config and world size (GPUs: slower)
     device: str = "auto"  # auto | cpu | cuda
 
 
@@ -471,6 +472,9 @@ def validate(cfg: Config) -> None:
     cfg.data.mixture()  # its entries parse
     if cfg.parallel.ep < 1:
         raise UserError(f"parallel.ep must be >= 1, got {cfg.parallel.ep}")
+    if t.deterministic and cfg.parallel.ep_backend == "deepep":  # its exchange kernels promise no summation order
+        raise UserError("train.deterministic=true cannot hold with parallel.ep_backend=deepep, whose kernels are not "
+                        "known to reduce in a fixed order: use --parallel.ep_backend=all_to_all")
 
 
 def field_help(cls: type) -> dict[str, str]:
