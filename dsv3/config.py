@@ -156,7 +156,6 @@ FLAVORS: dict[str, ModelConfig] = {
 }
 
 
-
 def load_config_json(path: str | Path) -> ModelConfig:
     """The ModelConfig a dsv3 config.json holds (an export's, convert_hf.py --to-dsv3's). Raises ValueError."""
     d = json.loads(Path(path).read_text())
@@ -187,6 +186,7 @@ def saved_model_config(weights_dir: str | Path) -> ModelConfig | None:
         return load_config_json(path)
     except ValueError as e:
         raise UserError(f"checkpoint.init_from: {e}") from None
+
 
 @dataclass
 class TrainConfig:

@@ -131,8 +131,8 @@ def startup_banner(cfg: Config, world: int, device: torch.device, memory_plan: s
         return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
 
     lines = [f"model   {cfg.checkpoint.init_from or cfg.flavor}: {count(total)} parameters, {count(activated)} "
-             f"activated per token; {mc.n_layers} layers ({mc.n_dense_layers} dense), {mc.n_routed_experts} routed experts top-"
-             f"{mc.n_activated_experts}, MTP depth {mc.n_mtp_layers}",
+             f"activated per token; {mc.n_layers} layers ({mc.n_dense_layers} dense), {mc.n_routed_experts} routed "
+             f"experts top-{mc.n_activated_experts}, MTP depth {mc.n_mtp_layers}",
              f"batch   {t.global_batch} sequences × {t.seq_len} tokens = {t.global_batch * t.seq_len:,} tokens/step, "
              f"{t.steps} steps; {micro_batches} × {t.micro_batch} sequences per rank and step",
              f"layout  world {world} on {device.type}, ep {p.ep} ({p.ep_backend}); precision {precision}; "

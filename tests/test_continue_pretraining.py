@@ -80,7 +80,8 @@ def test_deepseek_weights_and_tokenizer_to_a_trained_model_transformers_loads(de
     # it trained the imported model (no --model.* flag: its shape came from the weights' config.json) on both
     # sources, and says so
     assert out.startswith(f"model   {ckpt}: ")
-    assert f"\ninit    weights and model from {ckpt} (config.json); unlike flavor debug: vocab_size 4096 -> 384, " in out
+    init_line = f"\ninit    weights and model from {ckpt} (config.json); unlike flavor debug: vocab_size 4096 -> 384, "
+    assert init_line in out
     assert "data    web 70% (" in out and "; code 30% (" in out
     metrics = read_metrics(Path(run))
     assert metrics[3]["tokens_seen/web"] > metrics[3]["tokens_seen/code"] > 0
