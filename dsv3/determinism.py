@@ -10,7 +10,8 @@ start (train.py calls it first):
   differently from run to run; cuDNN's deterministic algorithms, none picked by benchmarking;
 - NCCL on one algorithm and protocol (NCCL_ALGO=Ring, NCCL_PROTO=Simple): its reductions then sum in one order,
   whatever its tuner would pick. Values the user set are kept.
-DeepEP's kernels are not covered: dsv3.config refuses parallel.ep_backend=deepep with train.deterministic.
+DeepEP is refused with it (dsv3.config): its intranode combine reads a token's rows from their ranks in rank order
+into an fp32 sum, a fixed order by reading, but no run here has compared two of its runs bit for bit.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def make_deterministic() -> None:
     for name, value in DETERMINISTIC_ENV.items():
         os.environ.setdefault(name, value)
     torch.use_deterministic_algorithms(True)
-    from torch._inductor import config as inductor  # torch.compile's settings, imported by the runs that ask alone
+    from torch._inductor import config as inductor  # torch.compile's settings: imported only by runs asking for this
 
     inductor.deterministic = True  # recent torch sets it with the line above too
     torch.backends.cudnn.deterministic = True
