@@ -277,8 +277,8 @@ class CheckpointConfig:
     resume: bool = False  # continue from the newest checkpoint in dir (also: --resume)
     verify_checksums: bool = True  # on resume, checksum every file (sizes are always checked); off for huge runs
     export: bool = True  # safetensors + config.json at the end
-    # start from these weights and the model their config.json describes ([model] overrides on top, no shape change)
-    init_from: str = ""  # a dsv3 safetensors dir: an export, or convert_hf.py --to-dsv3's output
+    # [model] overrides apply on top of the model its config.json describes, as long as no saved shape changes
+    init_from: str = ""  # weights + model (their config.json) to start from: an export or convert_hf.py --to-dsv3 out
 
 
 @dataclass
