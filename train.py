@@ -25,9 +25,10 @@ from dsv3.config import (Config, TrainConfig, UserError, help_text, load_config,
                          run_main)
 from dsv3.data import (MixtureLoader, PackedLoader, check_first_batch, check_sources, data_tokenizer,
                        describe_mixture)
+from dsv3.determinism import make_deterministic
 from dsv3.lowp import quant
 from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, import_wandb,
-                          memory_stats, mfu, parameter_counts, peak_flops, startup_banner)
+                          memory_stats, mfu, parameter_counts, peak_flops, run_summary, startup_banner)
 from dsv3.model import Transformer
 from dsv3.moe import update_expert_bias
 from dsv3.plan import check_fits
@@ -220,6 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(config_path, overrides)
     mcfg, t = cfg.model_config(), cfg.train
 
+    if t.deterministic:  # before CUDA, cuBLAS and NCCL start
+        make_deterministic()
     # Check every input before anything expensive is built.
     rank, world, device = parallel.init_distributed(t.device)
     check_setup(cfg, world, device)
@@ -229,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
                                  torch.cuda.get_device_properties(device).total_memory)
     check_sources(cfg.data.mixture(), mcfg.vocab_size, cfg.checkpoint.init_from)
     tokenizer = data_tokenizer(cfg.data.mixture())  # for the export; a damaged one stops the run now, not at the end
-    init_from_note = export.check_init_from(cfg.checkpoint.init_from, mcfg) if cfg.checkpoint.init_from else ""
+    init_from_line = export.check_init_from(cfg) if cfg.checkpoint.init_from else ""
     run_dir = Path(cfg.checkpoint.dir)
     rundir.lock_run_dir(run_dir, create=not cfg.checkpoint.resume)  # one run per directory, until it ends
     found = checkpoint.checkpoints(run_dir)
@@ -270,8 +273,8 @@ def main(argv: list[str] | None = None) -> None:
         print(startup_banner(cfg, world, device, memory_plan.summary() if memory_plan else None,
                              describe_mixture(loader, sum(batch_at(s, t, world) for s in range(1, t.steps + 1)))),
               flush=True)
-        if init_from_note:
-            print(init_from_note, flush=True)
+        if init_from_line:
+            print(init_from_line, flush=True)
         if t.balanced_routing:
             print("train.balanced_routing: experts are chosen uniformly at random, not by the router (for benchmarks "
                   "and debugging; the model does not learn its routing)", flush=True)
@@ -365,6 +368,12 @@ def main(argv: list[str] | None = None) -> None:
     if not stopping:
         if cfg.checkpoint.export:
             export.export(run_dir / "export", model, mcfg, tokenizer)
+        if rank == 0:
+            saved = checkpoint.checkpoints(run_dir)
+            print(run_summary(cfg.checkpoint.dir, str(saved[-1]) if saved else None,
+                              str(run_dir / "export") if cfg.checkpoint.export else None,
+                              [arg for arg in argv if arg not in ("--resume", "--checkpoint.resume=true")],
+                              resume_command(argv), t.steps), flush=True)
     elif rank == 0:
         saved = (f"saved {run_dir / f'step-{step}'}; continue with: {resume_command(argv)}" if cfg.checkpoint.every
                  else "nothing saved (checkpoint.every=0)")

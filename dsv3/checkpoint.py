@@ -408,3 +408,11 @@ def _restore_rng(path: Path) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def load_model(path: str | Path, model: nn.Module) -> None:
+    """The model's weights alone from checkpoint `path` (for sampling): no optimizer moments or train state read."""
+    state = {"model": get_model_state_dict(model)}
+    with _dcp_call():
+        dcp.load(state, storage_reader=_DataOnlyReader(str(path)), planner=_DataOnlyPlanner())
+    set_model_state_dict(model, state["model"])

@@ -141,7 +141,7 @@ class ModelConfig:
 
 FLAVORS: dict[str, ModelConfig] = {
     # Tiny, every dim a multiple of 32 so every precision path runs; configs/debug.toml's 200 steps take about
-    # four minutes on two CPU cores.
+    # three minutes on two otherwise idle CPU cores (~5k tokens/s), several times that on shared ones.
     "debug": ModelConfig(
         vocab_size=4096, dim=128, inter_dim=320, moe_inter_dim=64, n_layers=3, n_dense_layers=1, n_heads=4,
         n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, n_expert_groups=2, n_limited_groups=1,
@@ -157,6 +157,38 @@ FLAVORS: dict[str, ModelConfig] = {
         n_mtp_layers=1,
     ),
 }
+
+
+def load_config_json(path: str | Path) -> ModelConfig:
+    """The ModelConfig a dsv3 config.json holds (an export's, convert_hf.py --to-dsv3's). Raises ValueError."""
+    d = json.loads(Path(path).read_text())
+    unknown = sorted(set(d) - {f.name for f in fields(ModelConfig)})
+    if unknown:
+        hint = " (an HF config? convert with scripts/convert_hf.py --to-dsv3)" if "hidden_size" in d else ""
+        raise ValueError(f"{path}: unknown ModelConfig key(s) {', '.join(unknown)}{hint}")
+    return ModelConfig(**d)
+
+
+def hf_checkpoint_error(path: str | Path) -> UserError:
+    return UserError(f"checkpoint.init_from={path} is a Hugging Face checkpoint: convert it first with "
+                     f"python scripts/convert_hf.py --to-dsv3 {path} OUT_DIR, then pass --checkpoint.init_from=OUT_DIR")
+
+
+def saved_model_config(weights_dir: str | Path) -> ModelConfig | None:
+    """The model a checkpoint.init_from directory's config.json describes; None where it has none."""
+    path = Path(weights_dir) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        d = json.loads(path.read_text())
+    except ValueError as e:
+        raise UserError(f"checkpoint.init_from: {path} is not JSON ({e}); export or convert it again") from None
+    if "model_type" in d:  # HF's config.json; ours holds ModelConfig fields only
+        raise hf_checkpoint_error(weights_dir)
+    try:
+        return load_config_json(path)
+    except ValueError as e:
+        raise UserError(f"checkpoint.init_from: {e}") from None
 
 
 @dataclass
@@ -195,6 +227,7 @@ class TrainConfig:
     val_every: int = 100  # validate every N steps and at the end; 0: never
     val_batches: int = 8  # global batches per validation
     seed: int = 0  # model init and data order
+    deterministic: bool = False  # bit-identical losses and weights for one seed, config and world size (GPUs: slower)
     device: str = "auto"  # auto | cpu | cuda
 
 
@@ -248,7 +281,8 @@ class CheckpointConfig:
     resume: bool = False  # continue from the newest checkpoint in dir (also: --resume)
     verify_checksums: bool = True  # on resume, checksum every file (sizes are always checked); off for huge runs
     export: bool = True  # safetensors + config.json at the end
-    init_from: str = ""  # start from these weights: a dsv3 safetensors dir (an export, or convert_hf.py --to-dsv3)
+    # [model] overrides apply on top of the model its config.json describes, as long as no saved shape changes
+    init_from: str = ""  # weights + model (their config.json) to start from: an export or convert_hf.py --to-dsv3 out
 
 
 @dataclass
@@ -272,13 +306,16 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def model_config(self) -> ModelConfig:
+        """The model this run trains: the flavor's, or with checkpoint.init_from the one its weights' config.json
+        describes (as from_pretrained builds it), with the [model] overrides on top."""
         if self.flavor not in FLAVORS:
             raise UserError(f"unknown flavor {self.flavor!r}: choose one of {', '.join(FLAVORS)}")
         known = {f.name for f in fields(ModelConfig)}
         unknown = sorted(set(self.model) - known)
         if unknown:
             raise UserError(f"unknown model key(s) {unknown}: {_known_keys('model', unknown[0], known)}")
-        return dataclasses.replace(FLAVORS[self.flavor], **self.model)
+        saved = saved_model_config(self.checkpoint.init_from) if self.checkpoint.init_from else None
+        return dataclasses.replace(saved or FLAVORS[self.flavor], **self.model)
 
 
 _SECTIONS = ("train", "data", "parallel", "checkpoint", "log")
@@ -442,6 +479,9 @@ def validate(cfg: Config) -> None:
     cfg.data.mixture()  # its entries parse
     if cfg.parallel.ep < 1:
         raise UserError(f"parallel.ep must be >= 1, got {cfg.parallel.ep}")
+    if t.deterministic and cfg.parallel.ep_backend == "deepep":  # dsv3.determinism says why
+        raise UserError("train.deterministic=true is not verified with parallel.ep_backend=deepep (its kernels were "
+                        "never run twice bit for bit here): use --parallel.ep_backend=all_to_all")
 
 
 # Resuming with another value of these would reinterpret saved state: AdamW's moments, the data positions.

@@ -21,49 +21,52 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import (consolidat
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from dsv3.checkpoint import _barrier, _dcp_call, _rank
-from dsv3.config import ModelConfig, UserError
-from dsv3.hf import load_config_json, model_shapes, save_config
+from dsv3.config import FLAVORS, Config, ModelConfig, UserError, hf_checkpoint_error, saved_model_config
+from dsv3.hf import model_shapes, save_config
 from dsv3.tokenizer import Tokenizer
 
 
-def check_init_from(path: str | Path, cfg: ModelConfig) -> str:
+def check_init_from(cfg: Config) -> str:
     """Refuse, before anything is built, a checkpoint.init_from that holds no dsv3 weights (no safetensors at all,
-    or a Hugging Face checkpoint: its config.json names a model_type, its tensors are named model.layers.*), or
-    weights of other shapes than this model's, naming the [model] overrides that would fit them (from the
-    config.json an export or convert_hf.py --to-dsv3 writes). Returns a note listing the fields that differ from
-    that config.json without changing a shape (RoPE, routing: the run uses its own), "" if none."""
+    or a Hugging Face checkpoint) or a [model] override that changes the shape of a saved tensor. Returns the
+    banner's line: where weights and model come from, and each field that differs from the run's flavor and the
+    overrides (which need no shape change: RoPE, routing)."""
+    path = cfg.checkpoint.init_from
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise UserError(f"checkpoint.init_from={path} holds no *.safetensors: point it at an export, or convert an "
                         f"HF model with python scripts/convert_hf.py --to-dsv3 HF_DIR OUT_DIR")
-    config_json = Path(path) / "config.json"
-    try:
-        hf_config = config_json.is_file() and "model_type" in json.loads(config_json.read_text())
-    except ValueError as e:
-        raise UserError(f"checkpoint.init_from: {config_json} is not JSON ({e}); export or convert it again") from None
     with safe_open(files[0], "pt") as f:
-        hf_names = any(name.startswith("model.") for name in f.keys())
-    if hf_config or hf_names:
-        raise UserError(f"checkpoint.init_from={path} is a Hugging Face checkpoint: convert it first with "
-                        f"python scripts/convert_hf.py --to-dsv3 {path} OUT_DIR, then pass "
-                        f"--checkpoint.init_from=OUT_DIR")
-    if not config_json.is_file():
-        return ""  # load_weights still checks every key
+        if any(name.startswith("model.") for name in f.keys()):  # HF's tensor names
+            raise hf_checkpoint_error(path)
+    saved, model = saved_model_config(path), cfg.model_config()
+    if saved is None:  # load_weights still checks every key
+        return f"init    weights from {path} (no config.json: the model is flavor {cfg.flavor}'s and the overrides)"
+    if model_shapes(model) != model_shapes(saved):
+        reshaping = [key for key, value in cfg.model.items() if _reshapes(saved, key, value)] or list(cfg.model)
+        raise UserError(f"checkpoint.init_from={path} holds a model of other shapes than "
+                        + " ".join(f"--model.{key}={json.dumps(cfg.model[key])}" for key in reshaping)
+                        + f" makes: drop {'it' if len(reshaping) == 1 else 'them'}, the model comes from "
+                        f"{path}/config.json")
+
+    def changes(old: ModelConfig, new: ModelConfig) -> str:
+        return ", ".join(f"{f.name} {getattr(old, f.name)} -> {getattr(new, f.name)}" for f in dataclasses.fields(new)
+                         if getattr(old, f.name) != getattr(new, f.name) and f.name != "init_std")  # moot: loaded
+
+    line = f"init    weights and model from {path} (config.json)"
+    if unlike_flavor := changes(FLAVORS[cfg.flavor], saved):
+        line += f"; unlike flavor {cfg.flavor}: {unlike_flavor}"
+    if overridden := changes(saved, model):
+        line += f"; overridden by [model]: {overridden}"
+    return line
+
+
+def _reshapes(saved: ModelConfig, key: str, value: Any) -> bool:
+    """Whether the override key = value alone changes a saved tensor's shape (or makes no valid model)."""
     try:
-        saved = load_config_json(config_json)
-    except ValueError as e:
-        raise UserError(f"checkpoint.init_from: {e}") from None
-    differ = [f.name for f in dataclasses.fields(cfg) if getattr(saved, f.name) != getattr(cfg, f.name)]
-    if model_shapes(saved) != model_shapes(cfg):
-        fix = " ".join(f"--model.{name}={json.dumps(getattr(saved, name))}" for name in differ)
-        raise UserError(f"checkpoint.init_from={path} holds a model of other shapes than this config's: "
-                        f"match its config.json, e.g. {fix}")
-    differ = [name for name in differ if name != "init_std"]  # moot: the weights are loaded, not drawn
-    if not differ:
-        return ""
-    return (f"checkpoint.init_from={path}: this run's model differs from its config.json in "
-            + ", ".join(f"{name} {getattr(saved, name)} -> {getattr(cfg, name)}" for name in differ)
-            + " (no shape changes; the run uses its own values)")
+        return model_shapes(dataclasses.replace(saved, **{key: value})) != model_shapes(saved)
+    except UserError:
+        return True
 
 
 def load_weights(path: str | Path, model: nn.Module) -> None:

@@ -206,15 +206,6 @@ def save_config(cfg: ModelConfig, path: str | Path) -> None:
     Path(path).write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
 
 
-def load_config_json(path: str | Path) -> ModelConfig:
-    d = json.loads(Path(path).read_text())
-    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(ModelConfig)})
-    if unknown:
-        hint = " (an HF config? convert with scripts/convert_hf.py --to-dsv3)" if "hidden_size" in d else ""
-        raise ValueError(f"{path}: unknown ModelConfig key(s) {', '.join(unknown)}{hint}")
-    return ModelConfig(**d)
-
-
 # ------------------------------------------------------------------------------------------ state dict
 
 def model_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:

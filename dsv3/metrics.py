@@ -12,6 +12,7 @@ import json
 import math
 import netrc
 import os
+import shlex
 import sys
 import time
 from types import ModuleType
@@ -130,9 +131,9 @@ def startup_banner(cfg: Config, world: int, device: torch.device, memory_plan: s
     def count(n: int) -> str:
         return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
 
-    lines = [f"model   {cfg.flavor}: {count(total)} parameters, {count(activated)} activated per token; "
-             f"{mc.n_layers} layers ({mc.n_dense_layers} dense), {mc.n_routed_experts} routed experts top-"
-             f"{mc.n_activated_experts}, MTP depth {mc.n_mtp_layers}",
+    lines = [f"model   {cfg.checkpoint.init_from or cfg.flavor}: {count(total)} parameters, {count(activated)} "
+             f"activated per token; {mc.n_layers} layers ({mc.n_dense_layers} dense), {mc.n_routed_experts} routed "
+             f"experts top-{mc.n_activated_experts}, MTP depth {mc.n_mtp_layers}",
              f"batch   {t.global_batch} sequences × {t.seq_len} tokens = {t.global_batch * t.seq_len:,} tokens/step, "
              f"{t.steps} steps; {micro_batches} × {t.micro_batch} sequences per rank and step",
              f"layout  world {world} on {device.type}, ep {p.ep} ({p.ep_backend}); precision {precision}; "
@@ -141,6 +142,31 @@ def startup_banner(cfg: Config, world: int, device: torch.device, memory_plan: s
         lines.append(f"memory  {memory_plan}")
     lines.append(f"data    {data}")
     lines.append(f"run dir {cfg.checkpoint.dir}")
+    return "\n".join(lines)
+
+
+def run_summary(run_dir: str, last_checkpoint: str | None, export_dir: str | None, run_args: list[str],
+                resume: str, steps: int) -> str:
+    """The run's last lines: where its results are, and the commands for what comes next, each as it can be pasted
+    (a trailing comment says what it does). `run_args`: train.py's arguments; `resume`: the command continuing
+    this run (dsv3.stop.resume_command)."""
+    lines = [f"results in {run_dir}:", f"  metrics     {os.path.join(run_dir, 'metrics.jsonl')} (expert_load.jsonl "
+                                       "beside it)"]
+    if last_checkpoint:
+        lines.append(f"  checkpoint  {last_checkpoint}")
+    if export_dir:
+        lines.append(f"  export      {export_dir} (config.json, *.safetensors, the tokenizer)")
+    lines += ["next:", f"  python scripts/plot.py {shlex.quote(run_dir)}  # plots into "
+                       f"{os.path.join(run_dir, 'plots')}/"]
+    if export_dir:
+        lines += [f"  python scripts/generate.py {shlex.quote(export_dir)} --prompt 'The'  # sample text",
+                  f"  python scripts/convert_hf.py --to-hf {shlex.quote(export_dir)} "
+                  f"{shlex.quote(os.path.join(run_dir, 'hf'))}  # for transformers"]
+    elif last_checkpoint:
+        lines.append(f"  python scripts/generate.py {shlex.quote(last_checkpoint)} {shlex.join(run_args)} "
+                     "--prompt 'The'  # sample text")
+    if last_checkpoint:
+        lines.append(f"  {resume} --train.steps={2 * steps}  # train on")
     return "\n".join(lines)
 
 

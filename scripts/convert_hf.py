@@ -1,7 +1,7 @@
 """Convert between HF DeepSeek-V3 checkpoints and dsv3 safetensors checkpoints, tensor by tensor.
 
     python scripts/convert_hf.py --to-dsv3 HF_DIR OUT_DIR
-    python scripts/convert_hf.py --to-hf DSV3_DIR OUT_DIR [--fused-experts] [--allow-lossy]
+    python scripts/convert_hf.py --to-hf DSV3_DIR OUT_DIR [--fused-experts] [--allow-lossy] [--no-mtp]
 
 HF_DIR: an HF config.json + *.safetensors shards: bf16/fp32, or DeepSeek's FP8 release as published
 (float8_e4m3fn weights + `weight_scale_inv` block scales, config.json's quantization_config), which is
@@ -13,6 +13,8 @@ files beside the source's config.json (tokenizer.json, tokenizer_config.json, ..
 transformers loads model and tokenizer from one directory. Bad input stops before anything is written. OUT_DIR
 must be new or empty: the conversion is written into OUT_DIR.tmp beside it and renamed to OUT_DIR when complete,
 so a conversion killed midway leaves no OUT_DIR (a rerun removes the stale OUT_DIR.tmp).
+--to-hf --no-mtp leaves the MTP modules out: transformers' DeepseekV3 has no MTP layers (it never predicts more
+than the next token), and lists their tensors as UNEXPECTED keys when it loads a checkpoint that has them.
 --to-hf refuses a softmax-routed model with a trained expert bias or route_norm (HF's deepseek_v2 has neither)
 unless --allow-lossy. Files are written with the umask's mode (0644 under the usual 022), like config.json.
 """
@@ -34,9 +36,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file without installing dsv3
-from dsv3.config import UserError, run_main  # noqa: E402
+from dsv3.config import UserError, load_config_json, run_main  # noqa: E402
 from dsv3.hf import (FromHF, check_dsv3_keys, check_hf_keys, check_hf_represents, config_from_hf,  # noqa: E402
-                     config_to_hf, dequantize_fp8, fp8_block_size, fp8_scales, load_config_json, save_config,
+                     config_to_hf, dequantize_fp8, fp8_block_size, fp8_scales, save_config,
                      tensor_to_hf)
 
 INDEX = "model.safetensors.index.json"
@@ -212,16 +214,20 @@ def to_dsv3(src: Path, out: Path, max_bytes: int) -> None:
         copy_tokenizer(src, tmp)
 
 
-def to_hf(src: Path, out: Path, max_bytes: int, fused_experts: bool, allow_lossy: bool = False) -> None:
+def to_hf(src: Path, out: Path, max_bytes: int, fused_experts: bool, allow_lossy: bool = False,
+          no_mtp: bool = False) -> None:
     cfg = load_config_json(config_path(src))
     shards = find_shards(src)
     shapes = {n: h.shape for n, h in read_headers(shards).items()}
     check_dsv3_keys(shapes, cfg)
     check_hf_represents(cfg, expert_biases(shards), allow_lossy)
     check_output(out)
+    left_out = {key for key in shapes if key.startswith("mtp.")} if no_mtp else set()
+    if no_mtp:  # transformers never runs MTP layers: without them it loads every tensor it is given
+        cfg = dataclasses.replace(cfg, n_mtp_layers=0)
     with staged(out) as tmp:
         writer = ShardWriter(tmp, max_bytes)
-        for key, tensor in read_tensors(shards, len(shapes)):
+        for key, tensor in read_tensors(shards, len(shapes) - len(left_out), skip=left_out):
             for name, converted in tensor_to_hf(key, tensor, cfg, fused_experts).items():
                 writer.add(name, converted)
         writer.close()
@@ -239,16 +245,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--allow-lossy", action="store_true",
                         help="--to-hf: export a model HF cannot represent exactly (softmax router with a trained "
                              "expert bias or route_norm), with a warning")
+    parser.add_argument("--no-mtp", action="store_true",
+                        help="--to-hf: leave the MTP modules out (transformers ignores them, and lists their tensors "
+                             "as UNEXPECTED when it loads them)")
     parser.add_argument("--max-shard-gb", type=float, default=5.0)
     args = parser.parse_args(argv)
-    if args.fused_experts and not args.to_hf:
-        parser.error("--fused-experts chooses the HF layout written by --to-hf")
+    if (args.fused_experts or args.no_mtp) and not args.to_hf:
+        parser.error("--fused-experts and --no-mtp choose what --to-hf writes")
     max_bytes = int(args.max_shard_gb * 1e9)
     try:
         if args.to_dsv3:
             to_dsv3(*args.to_dsv3, max_bytes)
         else:
-            to_hf(*args.to_hf, max_bytes, args.fused_experts, args.allow_lossy)
+            to_hf(*args.to_hf, max_bytes, args.fused_experts, args.allow_lossy, args.no_mtp)
     except ValueError as e:  # config or key mismatch, explained by dsv3.hf
         raise UserError(str(e)) from None
 

@@ -1,8 +1,8 @@
 """The path of a user who continues pretraining DeepSeek's weights on their own corpus, end to end on CPU, with the
 commands README's "Continue pretraining DeepSeek's weights" shows: a tiny random HF DeepSeek-V3 saved by
 transformers beside a DeepSeek-layout tokenizer → convert_hf.py --to-dsv3 → prepare_data.py with that tokenizer on
-two sources (a .jsonl.gz and .txt files) → train.py --checkpoint.init_from on the mixture → its export →
-convert_hf.py --to-hf → transformers loads model and tokenizer from that one directory, with dsv3's logits."""
+two sources (a .jsonl.gz and .txt files) → train.py --checkpoint.init_from on the mixture, no --model.* flag → its
+export → convert_hf.py --to-hf → transformers loads model and tokenizer from that one directory, with dsv3's logits."""
 
 import gzip
 import json
@@ -33,12 +33,6 @@ def cli(script: str, *args: str) -> str:
     done = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     return done.stdout
-
-
-def model_overrides(config_json: Path) -> list[str]:
-    """--model.KEY=VALUE for every field of a dsv3 config.json: the tiny model is no flavor."""
-    return [f"--model.{key}={json.dumps(value) if not isinstance(value, str) else value}"
-            for key, value in json.loads(config_json.read_text()).items()]
 
 
 def test_deepseek_weights_and_tokenizer_to_a_trained_model_transformers_loads(deepseek_tokenizer_dir, tmp_path):
@@ -73,7 +67,6 @@ def test_deepseek_weights_and_tokenizer_to_a_trained_model_transformers_loads(de
         "--val-fraction", "0.1", "--workers", "2")
     out = cli("train.py", "--config", "configs/debug.toml", f"--checkpoint.init_from={ckpt}",
               f"--data.sources={web}:0.7,{code}:0.3", f"--checkpoint.dir={run}",
-              *model_overrides(Path(ckpt) / "config.json"),
               "--train.steps=3", "--train.seq_len=32", "--train.global_batch=4", "--train.micro_batch=2",
               "--train.val_every=3", "--train.val_batches=1", "--log.every=1")
     hf_out = tmp_path / "hf_out"
@@ -87,7 +80,11 @@ def test_deepseek_weights_and_tokenizer_to_a_trained_model_transformers_loads(de
     expected_first_doc = hf_tokenizer(WEB[0])["input_ids"] + [tokenizer.eos_id]
     assert stream[:len(expected_first_doc)].tolist() == expected_first_doc
 
-    # it trained on both sources from the imported weights, and says so
+    # it trained the imported model (no --model.* flag: its shape came from the weights' config.json) on both
+    # sources, and says so
+    assert out.startswith(f"model   {ckpt}: ")
+    init_line = f"\ninit    weights and model from {ckpt} (config.json); unlike flavor debug: vocab_size 4096 -> 384, "
+    assert init_line in out
     assert "data    web 70% (" in out and "; code 30% (" in out
     metrics = read_metrics(Path(run))
     assert metrics[3]["tokens_seen/web"] > metrics[3]["tokens_seen/code"] > 0

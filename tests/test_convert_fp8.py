@@ -13,8 +13,8 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 import scripts.convert_hf as convert_hf
 from conftest import load_export
-from dsv3.config import UserError
-from dsv3.hf import load_config_json, state_dict_from_hf, state_dict_to_hf
+from dsv3.config import UserError, load_config_json
+from dsv3.hf import state_dict_from_hf, state_dict_to_hf
 from dsv3.model import Transformer
 
 # q_a_proj [144, 160], q_b_proj [160, 144], kv_a_proj_with_mqa [152, 160], kv_b_proj [272, 136], o_proj [160, 144],

@@ -21,9 +21,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 
 import scripts.convert_hf as convert_hf
 from conftest import ROOT
-from dsv3.config import FLAVORS, ModelConfig, UserError
-from dsv3.hf import (FromHF, config_from_hf, config_to_hf, load_config_json, save_config, state_dict_from_hf,
-                     state_dict_to_hf)
+from dsv3.config import FLAVORS, ModelConfig, UserError, load_config_json
+from dsv3.hf import FromHF, config_from_hf, config_to_hf, save_config, state_dict_from_hf, state_dict_to_hf
 from dsv3.model import Transformer
 from dsv3.moe import Router
 

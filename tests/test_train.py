@@ -24,10 +24,12 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import train
 from dsv3 import checkpoint, export
-from dsv3.config import FLAVORS, Config, DataConfig, ModelConfig, TrainConfig, UserError, run_main
-from dsv3.hf import config_to_hf
+from dsv3.config import FLAVORS, Config, DataConfig, ModelConfig, TrainConfig, UserError, load_config, run_main
+from dsv3.hf import config_from_hf, config_to_hf, save_config
 from dsv3.model import Transformer
 from conftest import free_port, load_export, read_metrics, torchrun_vars
+from scripts import convert_hf, generate
+from scripts import plot as plot_script
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(ROOT / "configs" / "debug.toml")
@@ -133,7 +135,8 @@ def test_init_from_starts_from_exported_weights(learned, tmp_path):
     # lr 1e-30 (lr must be > 0) is below fp32 resolution, and no bias update: one step must leave the imported
     # weights exactly as they were
     weights = f"--checkpoint.init_from={learned / 'export'}"
-    with pytest.raises(UserError, match=r"of other shapes than this config's: .* e.g. --model.n_layers=3$"):
+    with pytest.raises(UserError, match=r"of other shapes than --model.n_layers=2 makes: drop it, the model comes "
+                                        r"from .*/export/config.json$"):
         run(tmp_path / "smaller", *TINY, weights)  # TINY has 2 layers, the export 3
     rows = run(tmp_path, *TINY[1:], "--train.steps=1", "--train.lr=1e-30", "--train.bias_update_speed=0", weights,
                "--checkpoint.every=0", "--checkpoint.export=true")
@@ -146,20 +149,60 @@ def test_init_from_starts_from_exported_weights(learned, tmp_path):
         torch.testing.assert_close(after[name], value, rtol=0, atol=0, msg=name)
 
 
-@pytest.mark.slow
-def test_init_from_names_the_fields_it_differs_in_without_a_shape_change(learned, tmp_path):
-    """A converted release's RoPE or routing fields may differ from the run's config: no shape shows it, so it is
-    said (the run keeps its own values); a config.json cut short is one clear error."""
-    export_dir = learned / "export"
-    assert export.check_init_from(export_dir, FLAVORS["debug"]) == ""
-    other = dataclasses.replace(FLAVORS["debug"], route_scale=1.5, rope_theta=5e4, init_std=0.01)
-    note = export.check_init_from(export_dir, other)
-    assert "route_scale 2.5 -> 1.5" in note and "rope_theta 10000.0 -> 50000.0" in note and "init_std" not in note
+def test_init_from_builds_the_saved_model_and_names_the_fields_overridden_without_a_shape_change(tmp_path):
+    """The model comes from the weights' config.json, whatever the flavor says; an override that keeps every shape
+    (RoPE, routing) is applied on top and named in the banner's line; a config.json cut short is one clear error."""
+    export_dir = tmp_path / "export"
+    export.export(export_dir, Transformer(FLAVORS["debug"]), FLAVORS["debug"])
+    small_flavor = ["--flavor=16B", f"--checkpoint.init_from={export_dir}"]  # 16B: other shapes than the export
+    assert load_config(CONFIG, small_flavor).model_config() == FLAVORS["debug"]
+    line = export.check_init_from(load_config(CONFIG, small_flavor))
+    assert line.startswith(f"init    weights and model from {export_dir} (config.json); unlike flavor 16B: "
+                           "vocab_size 102400 -> 4096, dim 2048 -> 128, ") and "overridden" not in line
+    assert export.check_init_from(load_config(CONFIG, small_flavor[1:])) == (
+        f"init    weights and model from {export_dir} (config.json)")
+    overridden = load_config(CONFIG, [*small_flavor[1:], "--model.route_scale=1.5", "--model.rope_theta=5e4",
+                                      "--model.init_std=0.01"])
+    assert overridden.model_config().route_scale == 1.5
+    assert export.check_init_from(overridden).endswith(
+        "; overridden by [model]: route_scale 2.5 -> 1.5, rope_theta 10000.0 -> 50000.0")
     cut = tmp_path / "cut"
     shutil.copytree(export_dir, cut)
     (cut / "config.json").write_text((export_dir / "config.json").read_text()[:40])
     with pytest.raises(UserError, match=r"config.json is not JSON .*export or convert it again"):
-        export.check_init_from(cut, FLAVORS["debug"])
+        load_config(CONFIG, [f"--checkpoint.init_from={cut}"])
+
+
+# DeepSeek-V3's config.json as released on the Hugging Face hub (FP8 quantization_config left out)
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "first_k_dense_replace": 3, "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 256,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid", "routed_scaling_factor": 2.5, "norm_topk_prob": True, "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "max_position_embeddings": 163840, "rope_theta": 10000, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-6,
+    "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+}
+
+
+def test_a_converted_deepseek_release_needs_no_model_flag_even_under_the_debug_config(tmp_path):
+    converted = tmp_path / "ckpt" / "v3"
+    converted.mkdir(parents=True)
+    save_config(config_from_hf(DEEPSEEK_V3), converted / "config.json")
+    save_file({"embed.weight": torch.zeros(1)}, converted / "model-00001-of-00001.safetensors")  # names, not shapes
+    cfg = load_config(CONFIG, [f"--checkpoint.init_from={converted}"])
+    model = cfg.model_config()
+    assert (model.vocab_size, model.n_layers, model.n_routed_experts, model.rope_factor) == (129280, 61, 256, 40)
+    line = export.check_init_from(cfg)
+    assert line.startswith(f"init    weights and model from {converted} (config.json); unlike flavor debug: "
+                           "vocab_size 4096 -> 129280, dim 128 -> 7168, ")
+    assert "rope_factor 1.0 -> 40" in line and "overridden" not in line
+    with pytest.raises(UserError, match=r"other shapes than --model.vocab_size=4096 makes: drop it"):
+        export.check_init_from(load_config(CONFIG, [f"--checkpoint.init_from={converted}", "--model.vocab_size=4096",
+                                                    "--model.route_scale=1.0"]))
 
 # --- resume, crashes, divergence --------------------------------------------------------------------
 
@@ -550,6 +593,40 @@ def test_short_run_prints_a_banner_then_step_1_and_no_warnings(data, tmp_path):
     assert [line.split(" |")[0] for line in lines if line.startswith("step ")] == ["step 1/3", "step 3/3", "step 3/3"]
     assert (tmp_path / "export" / "model.safetensors.index.json").is_file()
 
+
+
+def test_a_finished_run_ends_naming_its_results_and_next_commands_that_run_as_printed(data, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run(run_dir, *TINY[:-1], "--train.steps=2")  # exported, and checkpointed at its last step
+    out = capsys.readouterr().out
+    summary = out[out.index(f"results in {run_dir}:"):].splitlines()
+    assert summary[:5] == [f"results in {run_dir}:",
+                           f"  metrics     {run_dir}/metrics.jsonl (expert_load.jsonl beside it)",
+                           f"  checkpoint  {run_dir}/step-2",
+                           f"  export      {run_dir}/export (config.json, *.safetensors, the tokenizer)", "next:"]
+    plot, sample, to_hf, train_on = (shlex.split(line, comments=True) for line in summary[5:])
+    assert plot == ["python", "scripts/plot.py", str(run_dir)]
+    plot_script.main(plot[2:])
+    assert f"{run_dir}/plots/loss.png" in capsys.readouterr().out.splitlines()
+    assert sample[:3] == ["python", "scripts/generate.py", str(run_dir / "export")]
+    generate.main(sample[2:] + ["--max-tokens=4"])
+    assert capsys.readouterr().out.startswith("The")
+    assert to_hf[:3] == ["python", "scripts/convert_hf.py", "--to-hf"]
+    convert_hf.main(to_hf[2:])
+    assert (run_dir / "hf" / "config.json").is_file()
+    assert train_on[:2] == ["python", "train.py"] and train_on[-2:] == ["--resume", "--train.steps=4"]
+    train.main(train_on[2:])
+    assert max(read_metrics(run_dir)) == 4
+
+
+def test_a_run_without_an_export_names_the_sampling_command_for_its_checkpoint(data, tmp_path, capsys):
+    run(tmp_path, *TINY, "--train.steps=1")
+    out = capsys.readouterr().out
+    assert "  export      " not in out
+    sample = next(shlex.split(line, comments=True) for line in out.splitlines() if "scripts/generate.py" in line)
+    assert sample[:3] == ["python", "scripts/generate.py", str(tmp_path / "step-1")]
+    generate.main(sample[2:] + ["--max-tokens=4", "--temperature=0"])
+    assert capsys.readouterr().out.startswith("The")
 
 # --- stopping like a cluster job: SIGTERM or Ctrl-C saves the step in flight -----------------------------
 

@@ -1,0 +1,74 @@
+"""scripts/generate.py samples from a run's export or checkpoint with dsv3's model and the run's tokenizer: greedy, it
+continues a prompt as transformers' greedy generate does on the same export converted to HF; convert_hf.py --no-mtp
+leaves out the MTP tensors that transformers would list as UNEXPECTED."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import ROOT
+from dsv3 import export
+from dsv3.config import FLAVORS, UserError
+from dsv3.model import Transformer
+from dsv3.tokenizer import Tokenizer
+from scripts import convert_hf
+from scripts.generate import generate, main
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The debug model with every tensor random (distinct logits, no near-ties for argmax), exported as train.py
+    exports it, with the bundled tokenizer."""
+    model = Transformer(FLAVORS["debug"])
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            scale = 1.0 if name.endswith("expert_bias") else 0.2 if "norm" in name else 0.1
+            t.add_(scale * torch.randn(t.shape, generator=g))
+    out = tmp_path_factory.mktemp("run") / "export"
+    export.export(out, model, model.cfg, Tokenizer(ROOT / "data" / "tokenizer.model"))
+    return out
+
+
+def test_greedy_continues_a_prompt_as_transformers_greedy_generate_does(exported, tmp_path):
+    hf_dir = tmp_path / "hf"
+    convert_hf.main(["--to-hf", str(exported), str(hf_dir), "--no-mtp"])
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").float().eval()
+    ours = Transformer(FLAVORS["debug"]).eval()
+    export.load_weights(exported, ours)
+    prompt = Tokenizer(exported).encode("def main(argv):\n    return")
+    new = generate(ours, prompt, max_tokens=24)
+    hf_ids = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0].tolist()
+    assert len(new) == 24 and len(set(new)) > 3  # a real continuation, not one token repeated
+    assert hf_ids == prompt + new
+
+
+def test_without_no_mtp_transformers_lists_the_mtp_tensors_as_unexpected_and_ignores_them(exported, tmp_path):
+    convert_hf.main(["--to-hf", str(exported), str(tmp_path / "with")])
+    convert_hf.main(["--to-hf", str(exported), str(tmp_path / "without"), "--no-mtp"])
+    n_layers = FLAVORS["debug"].n_layers  # MTP module k is HF layer n_layers + k
+    _, with_mtp = AutoModelForCausalLM.from_pretrained(tmp_path / "with", output_loading_info=True)
+    hf_model, without_mtp = AutoModelForCausalLM.from_pretrained(tmp_path / "without", output_loading_info=True)
+    assert with_mtp["unexpected_keys"] and all(key.startswith(f"model.layers.{n_layers}.")
+                                               for key in with_mtp["unexpected_keys"])
+    assert not without_mtp["unexpected_keys"] and not without_mtp["missing_keys"]
+    assert hf_model.config.num_nextn_predict_layers == 0
+
+
+def test_the_script_samples_from_an_export_reproducibly_per_seed(exported, capsys):
+    def sample(*args: str) -> str:
+        main([str(exported), "--prompt", "import os", "--max-tokens", "12", "--device", "cpu", *args])
+        return capsys.readouterr().out
+
+    greedy = sample("--temperature", "0")
+    assert greedy.startswith("import os") and len(greedy) > len("import os\n")
+    assert sample("--seed", "1") == sample("--seed", "1")
+    assert len({sample("--seed", str(seed), "--top-k", "0", "--temperature", "2") for seed in range(4)}) > 1
+
+
+def test_a_checkpoint_without_its_config_is_refused_naming_what_to_pass(tmp_path):
+    (tmp_path / "step-5").mkdir()
+    (tmp_path / "step-5" / ".metadata").write_bytes(b"")
+    with pytest.raises(UserError, match=r"holds no model config: pass the run's own --config FILE.toml"):
+        main([str(tmp_path / "step-5"), "--device", "cpu"])
