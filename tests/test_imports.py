@@ -57,3 +57,16 @@ def test_the_model_and_the_optimizer_import_nothing_of_low_precision():
     graph = dsv3_imports()
     for module in ("dsv3.model", "dsv3.moe", "dsv3.token_copies", "dsv3.loss", "dsv3.optim"):
         assert not {m for m in graph[module] if m.startswith("dsv3.lowp")}, module
+
+
+def test_pyproject_lists_what_the_requirements_files_list():
+    """pyproject.toml's dependencies (and its dev extra) are requirements.txt's (and requirements-dev.txt's own)."""
+    import tomllib
+
+    def specs(path: str) -> set[str]:
+        lines = (line.split("#")[0].strip() for line in (ROOT / path).read_text().splitlines())
+        return {line.replace(" ", "") for line in lines if line and not line.startswith("-r")}
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert set(project["dependencies"]) == specs("requirements.txt")
+    assert set(project["optional-dependencies"]["dev"]) == specs("requirements-dev.txt")

@@ -27,6 +27,7 @@ RUN = {
     "python scripts/plot.py runs/debug": [],
     "python scripts/plot.py runs/debug runs/debug-lr --out runs/cmp": [],
     "python scripts/convert_hf.py --to-hf runs/debug/export hf_out": [],
+    "python scripts/convert_hf.py --to-hf runs/debug/export hf_out_no_mtp --no-mtp": [],
 }
 # (how a command starts, why it does not run here); train.py and plan.py commands are checked whatever they are
 ELSEWHERE = [
