@@ -216,7 +216,7 @@ class TrainConfig:
     precision: str = "bf16"  # bf16 | fp8 | mxfp8 | mxfp8-emulated
     expert_precision: str = "bf16"  # bf16 | low (the `precision` path for the routed experts) | fp8-blockwise
     optimizer_state_dtype: str = "bf16"  # bf16 | fp32: AdamW's moments (bf16 as in the paper, §3.3; docs/training.md)
-    fp8_recipe: str = "rowwise"  # rowwise | tensorwise (faster; held the loss with bf16 moments): README "Precision"
+    fp8_recipe: str = "rowwise"  # rowwise | tensorwise (faster; held the loss with bf16 moments): docs/precision.md
     precision_skip: list[str] = field(default_factory=list)  # dense linears whose name contains one stay bf16
     fp8_min_features: int = 1536  # fp8 converts a dense linear only if min(in, out) features reach this (≥ 0)
     compile: bool = False  # torch.compile each block

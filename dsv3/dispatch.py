@@ -139,7 +139,7 @@ def check(ep: int, device: torch.device, num_sms: int = 24, local_world: int | N
         import deep_ep  # noqa: F401
     except ImportError as e:
         raise ImportError(f"parallel.ep_backend=deepep needs DeepEP, which did not import ({e}): build it from "
-                          "source as the README's 'DeepEP' section says (an intranode-only build, no NVSHMEM), "
+                          "source as docs/deepep.md says (an intranode-only build, no NVSHMEM), "
                           f"{fallback}") from e
 
 

@@ -22,7 +22,7 @@ from dsv3.config import ModelConfig
 from dsv3.loss import linear_cross_entropy
 from dsv3.moe import MLP, MoE
 
-# d_v != d_qk rules out flash; cuDNN is much faster than the "efficient" fallback on H100 (README, "Performance").
+# d_v != d_qk rules out flash; cuDNN is much faster than the "efficient" fallback on H100 (docs/performance.md).
 _CUDA_ATTENTION_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 

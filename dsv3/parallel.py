@@ -196,7 +196,7 @@ def apply_compile(model: Transformer, backend: str | Callable = "inductor") -> N
     block's forward and its recompute (for the MTP block's shorter sequence, a new received-token count under EP)
     would make the recompute run another graph than the forward's, which selective AC rejects: where shapes
     change within a step, shapes are dynamic from the first compile. Only there: dynamic kernels slow a 16B step
-    on one H100 (selective AC; README, "Performance"). Call after `apply_expert_parallel`."""
+    on one H100 (selective AC; docs/log.md). Call after `apply_expert_parallel`."""
     # only the local dispatcher hands the experts the same number of rows every time
     shapes_change = len(model.mtp) > 0 or any(not isinstance(m.dispatcher, LocalDispatcher) for m in moe_layers(model))
     for block in model.blocks():

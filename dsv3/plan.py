@@ -46,12 +46,12 @@ _B200_OVER_H100 = 2250 / 989  # dense bf16 without sparsity, HGX B200 and H100 S
 GPUS: dict[str, GPU] = {
     "h100": GPU(memory_gib=79.1, dense_tflops=750, grouped_tflops=650, attention_tflops=346, hbm_tb_s=3.35,
                 nvlink_gb_s=450,
-                source="rates measured (README, Performance: scripts/bench.py's phase split of the 16B cut on one "
+                source="rates measured (docs/performance.md: scripts/bench.py's phase split of the 16B cut on one "
                        "H100); HBM 3.35 TB/s and NVLink 900 GB/s both ways from the H100 SXM datasheet"),
     "h200": GPU(memory_gib=139.0, dense_tflops=763, grouped_tflops=721, attention_tflops=375, hbm_tb_s=4.8,
                 nvlink_gb_s=450,
                 source="rates measured (scripts/bench.py's phase split of configs/671b_3layer.toml on one H200, "
-                       "README Performance); HBM 4.8 TB/s and NVLink 900 GB/s both ways from the H200 datasheet"),
+                       "docs/performance.md); HBM 4.8 TB/s and NVLink 900 GB/s both ways from the H200 datasheet"),
     "b200": GPU(memory_gib=178.0, dense_tflops=763 * _B200_OVER_H100, grouped_tflops=721 * _B200_OVER_H100,
                 attention_tflops=375 * _B200_OVER_H100, hbm_tb_s=8.0, nvlink_gb_s=900,
                 source="NOT measured: the H200 rates × 2250/989 (datasheet dense bf16 over H100's: Hopper's "
@@ -62,7 +62,7 @@ GPUS: dict[str, GPU] = {
 INFINIBAND_GB_S = 50.0
 # assumed, not measured here: the share of a link's rate NCCL's ring all-gather and reduce-scatter reach
 COLLECTIVE_EFFICIENCY = 0.8
-# measured: our all_to_all reaches this share of the link rate (README, DeepEP: one 16B layer's four exchanges on
+# measured: our all_to_all reaches this share of the link rate (docs/deepep.md: one 16B layer's four exchanges on
 # 2 H200s)
 ALL_TO_ALL_EFFICIENCY = 0.29
 # Calibrated against the measured peaks (tests/test_plan.py pins them): the saved-tensor count below is what eager
@@ -81,7 +81,7 @@ OPTIMIZER_HBM_EFFICIENCY = {"dsv3": 0.77, "torch": 0.53}
 OTHER_HBM_EFFICIENCY = 0.15
 # FSDP2's per-micro-batch casts and copies of the parameters into its unsharded buffers and of the gradients out
 # (fp32 → bf16 parameters, bf16 → fp32 gradients: 14 bytes each) reach this share: measured in a step of the 16B
-# cut (2.26B parameters) on one H100 when it still ran under FSDP2 (README, Performance)
+# cut (2.26B parameters) on one H100 when it still ran under FSDP2 (docs/planning.md)
 FSDP_CAST_HBM_EFFICIENCY = 0.43
 # routed tokens per rank vary around the balanced T·K: receive buffers and expert activations get headroom
 EP_HEADROOM = 1.25

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build DeepEP for --parallel.ep_backend=deepep: intranode kernels only (no NVSHMEM), at the commit dsv3 is
-# tested with, with the three local build fixes that commit needs (README.md, "DeepEP (optional)").
+# tested with, with the three local build fixes that commit needs (docs/deepep.md).
 #
 #   scripts/install_deepep.sh                  # clones DeepEP into third_party/DeepEP
 #   scripts/install_deepep.sh --src DIR        # an existing checkout (e.g. brought along to an offline machine)

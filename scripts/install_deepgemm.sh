@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build DeepGEMM for --train.expert_precision=fp8-blockwise (Hopper), at the commit dsv3 is tested with, as an
-# in-place torch extension with a private C++ runtime (README.md, "Precision"): built plainly against torch 2.11's
+# in-place torch extension with a private C++ runtime (docs/precision.md): built plainly against torch 2.11's
 # wheel, DeepGEMM's JIT host code crashed in libstdc++'s locale (std::regex, then integer stream output) before it
 # compiled a kernel; linked with its own static libstdc++, hidden and bound locally, it runs.
 #

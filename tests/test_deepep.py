@@ -320,7 +320,7 @@ def test_deepep_across_hosts_is_a_clear_startup_error(monkeypatch):
 
 def test_missing_deep_ep_is_a_clear_startup_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_ep", None)  # import deep_ep now raises ImportError
-    with pytest.raises(ImportError, match="needs DeepEP.*README's 'DeepEP' section.*ep_backend=all_to_all"):
+    with pytest.raises(ImportError, match="needs DeepEP.*docs/deepep.md.*ep_backend=all_to_all"):
         parallel.check_ep_backend("deepep", 2, torch.device("cuda"))
 
 

@@ -95,8 +95,8 @@ def test_plan_matches_measurement(path, overrides, gpus, kind, memory_gib, token
 
 
 # One GPU, two micro-batches: the fp32 accumulators carried from the first into the second, and (full AC) one
-# block's bf16 gradient at a time, measured on one H100 (README, "Planning a run"); the plan must meet them within 5%.
-TWO_MICRO_BATCHES = [  # (config, overrides, kind, GiB per GPU, tokens/s per GPU), measured (README)
+# block's bf16 gradient at a time, measured on one H100 (docs/planning.md); the plan must meet them within 5%.
+TWO_MICRO_BATCHES = [  # (config, overrides, kind, GiB per GPU, tokens/s per GPU), measured (docs/planning.md)
     (CUT_16B, ["--train.global_batch=8", FP32_MOMENTS], "h100", 50.96, 124.4e3),
     (CUT_16B, ["--train.global_batch=8"], "h100", 42.56, 126.8e3),
     (CUT_16B, ["--train.global_batch=8", "--train.activation_checkpoint=full"], "h100", 33.81, 106.9e3),

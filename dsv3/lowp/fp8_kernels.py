@@ -27,7 +27,7 @@ the tiles' kernel also makes ∂g_t,k = ⟨∂y_t, row⟩ as it reads ∂y_t (`f
 
 Token groups: the weight gradient grad_outᵀ · x takes both operands scaled per column within each expert's group
 and stored column-major. One program per group and block of 32 columns makes an amax pass over the group's rows,
-then a cast pass, 256 rows at a time: of the launches tried on an H200 (README, "Precision"), the fastest. Where the
+then a cast pass, 256 rows at a time: of the launches tried on an H200 (docs/precision.md), the fastest. Where the
 tiles' kernel has read the operand (blockwise experts, whose groups are whole blocks of 128 rows), its column amaxes
 replace the amax pass.
 

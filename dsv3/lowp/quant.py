@@ -1,4 +1,4 @@
-"""Low-precision training (paper §3.3, README "Precision"), applied to the built model from outside, after it is built
+"""Low-precision training (paper §3.3, docs/precision.md), applied to the built model from outside, after it is built
 and before expert parallelism, activation checkpointing, compile and FSDP2. torchao 0.18 is called directly,
 each call in one function named for what it does, and imported only here, only when a mode needs it.
 
@@ -6,13 +6,13 @@ each call in one function named for what it does, and imported only here, only w
   bf16            nothing changes.
   fp8             e4m3, compute capability ≥ 8.9, with the scales of `train.fp8_recipe`:
                     rowwise     (train.py's default) one scale per row of each GEMM operand: held bf16's loss
-                                (README "Precision").
+                                (docs/precision.md).
                     tensorwise  one scale per tensor: faster to quantize; held the loss with bf16 moments, not
                                 with fp32 ones. Under FSDP2 torchao.float8's `Float8Linear`, its
                                 weights all-gathered in fp8: call `precompute_fp8_scales(model)` after every
                                 optimizer step; without FSDP the same linear, its weights bf16.
                   (DeepSeek-V3's own 1×128 / 128×128 blockwise recipe for the dense linears, through torchao,
-                  did not pay on Hopper: README, "Precision".)
+                  did not pay on Hopper: docs/precision.md.)
                   Decided by shape: only linears with min(in_features, out_features) ≥ `train.fp8_min_features`
                   are converted. Quantizing moves bytes in proportion to T·(in + out), the GEMM saves time in
                   proportion to T·in·out, so below that width the quantization costs more than FP8 saves.
