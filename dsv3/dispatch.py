@@ -187,7 +187,7 @@ def expert_rows(recv_topk_idx: torch.Tensor, n_local: int, n_rows: int
     return order, local[order], counts[:n_local]
 
 
-# DeepEP's exchange as two torch.library ops, so that selective AC keeps their outputs (`parallel._SAVE_OPS`): the
+# DeepEP's exchange as two torch.library ops, so that selective AC keeps their outputs (`parallel._EXCHANGE_OPS`): the
 # recompute neither exchanges again nor waits for the receive counts. An op passes only tensors, so the handle is its
 # six tensors (intranode), and the buffer is named by a key into `_buffers`.
 _buffers: dict[int, Any] = {}  # id(buffer) → the deep_ep.Buffer (or a test's stand-in) the ops run on
@@ -213,8 +213,9 @@ def _dispatch_setup(ctx, inputs, output) -> None:
 
 def _dispatch_backward(ctx, grad_recv_x, grad_recv_weights, *_):
     """A combine of both gradients."""
-    grad_x, grad_weights, _ = _buffers[ctx.buffer_key].combine(
-        grad_recv_x.contiguous(), ctx.handle, topk_weights=grad_recv_weights.float().contiguous())
+    weights = None if grad_recv_weights is None else grad_recv_weights.float().contiguous()
+    grad_x, grad_weights, _ = _buffers[ctx.buffer_key].combine(grad_recv_x.contiguous(), ctx.handle,
+                                                                topk_weights=weights)
     return grad_x, None, grad_weights, None, None
 
 
