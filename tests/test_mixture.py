@@ -209,7 +209,8 @@ def test_resuming_with_other_data_is_refused_before_the_model_is_built(sources, 
     run(tmp_path / "run", sources, *args, weights="prose:0.5,code:0.5")
     monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("built a model"))
     resume = ["--train.steps=4", "--checkpoint.every=2", "--train.val_every=0", "--resume"]
-    with pytest.raises(UserError, match=r"holds train\.data\.sources\.code\..*resume with the data.sources"):
+    with pytest.raises(UserError, match=r"the checkpoint read the data sources \{.*'code'.*\}, this run has "
+                                        r"\{'prose'.*resume with the same data\.path or data\.sources"):
         run(tmp_path / "run", sources, *resume, weights="prose:1")
-    with pytest.raises(UserError, match="loader state has seq_len=32 but this loader has 16"):
+    with pytest.raises(UserError, match=r"saved with train\.seq_len=32, this run has 16"):
         run(tmp_path / "run", sources, *resume, "--train.seq_len=16", weights="prose:0.5,code:0.5")
