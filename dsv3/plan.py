@@ -301,6 +301,13 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
     return table
 
 
+def exchanges_per_moe_layer(activation_checkpoint: str) -> int:
+    """EP exchanges a MoE layer makes per micro-batch, as dsv3.dispatch runs them: dispatch and combine forward, each
+    other's gradients backward; full AC's recompute exchanges the forward's two again, selective AC keeps them
+    (`parallel._EXCHANGE_OPS`)."""
+    return 6 if activation_checkpoint == "full" else 4
+
+
 def _step_time(cfg: Config, gpus: int, kind: GPU, micro_batches: int) -> dict[str, float]:
     """Seconds per optimizer step, itemised: compute per block, the optimizer, EP's exchanges, and what of FSDP2's
     collectives the neighbouring block's compute cannot hide."""
@@ -375,7 +382,7 @@ def _step_time(cfg: Config, gpus: int, kind: GPU, micro_batches: int) -> dict[st
     fsdp_s = reducing * fsdp_exposed(True) + (micro_batches - reducing) * fsdp_exposed(False)
     # EP: dispatch and combine, forward and backward (full AC exchanges again in its recompute); copies to ranks in
     # the node go over NVLink, the rest over InfiniBand
-    exchanges = 6 if t.activation_checkpoint == "full" else 4
+    exchanges = exchanges_per_moe_layer(t.activation_checkpoint)
     in_node = min(ep, kind.gpus_per_node)
     per_byte = ((in_node - 1) / ep / kind.nvlink_gb_s + (ep - in_node) / ep / INFINIBAND_GB_S) / 1e9
     n_moe = n - mc.n_dense_layers

@@ -15,7 +15,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
 import train
-from dsv3 import dispatch, parallel
+from dsv3 import dispatch, parallel, plan
 from dsv3.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from dsv3.dispatch import DeepEPDispatcher, expert_rows
 from dsv3.moe import GroupedExperts, MoE
@@ -200,10 +200,11 @@ class _CountingBuffer(LoopbackBuffer):
         return super().combine(*args, **kwargs)
 
 
-def test_selective_checkpoint_keeps_the_exchange():
+@pytest.mark.parametrize("ac", ["selective", "full"])
+def test_selective_checkpoint_keeps_the_exchange(ac):
     """Under selective AC (parallel._selective_policy) the recompute takes DeepEP's saved outputs: one dispatch and
-    one combine forward, one of each backward (each other's gradients), none again; outputs and gradients equal
-    the block's without AC."""
+    one combine forward, one of each backward (each other's gradients), none again; full AC's recompute exchanges
+    again. Outputs and gradients equal the block's without AC, and the planner counts the exchanges that ran."""
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     torch.manual_seed(0)
@@ -214,19 +215,22 @@ def test_selective_checkpoint_keeps_the_exchange():
     moe.dispatcher = DeepEPDispatcher(buffer, moe.n_experts)
     x = torch.randn(2, 10, 32)
     results = []
-    for ac in (False, True):
+    for checkpointed in (False, True):
         buffer.calls = [0, 0]
         xi = x.clone().requires_grad_()
-        if ac:
+        if checkpointed and ac == "selective":
             y = checkpoint(lambda h: moe(h).y, xi, use_reentrant=False,
                            context_fn=lambda: create_selective_checkpoint_contexts(parallel._selective_policy))
+        elif checkpointed:
+            y = checkpoint(lambda h: moe(h).y, xi, use_reentrant=False)
         else:
             y = moe(xi).y
         y.square().sum().backward()
         results.append((y.detach(), xi.grad, [p.grad.clone() for p in moe.parameters()], list(buffer.calls)))
         moe.zero_grad()
     (y_ref, dx_ref, grads_ref, calls_ref), (y, dx, grads, calls) = results
-    assert calls_ref == [2, 2] and calls == [2, 2], (calls_ref, calls)
+    assert calls_ref == [2, 2] and calls == ([2, 2] if ac == "selective" else [3, 3]), (calls_ref, calls)
+    assert sum(calls) == plan.exchanges_per_moe_layer(ac) and sum(calls_ref) == plan.exchanges_per_moe_layer("none")
     torch.testing.assert_close((y, dx, grads), (y_ref, dx_ref, grads_ref), rtol=0, atol=0)
 
 
