@@ -177,16 +177,18 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
 
 def profiled_times(events, kernels, steps: int) -> dict[str, float]:
     """Per profiled step, in ms: the GPU's idle time (no kernel on any stream), the exposed communication (time in
-    which only exchange and collective kernels ran: nothing hid them), and the host's waits for the GPU (CUDA
-    syncs; DeepEP's wait for its receive counts is a spin inside its dispatch, not counted here)."""
+    which only exchange and collective kernels ran: nothing hid them), the host's waits for the GPU (CUDA syncs;
+    DeepEP's wait for its receive counts is a spin inside its dispatch, not counted here) and the rest of the host's
+    time from its first op to its last: busy."""
     spans = [(e.time_range.start, e.time_range.end) for e in kernels]
     compute = [(e.time_range.start, e.time_range.end) for e in kernels if phase_of(e.name) != "communication"]
     span = max(end for _, end in spans) - min(start for start, _ in spans) if spans else 0.0
     union = _union_us(spans)
-    waits = sum(e.time_range.end - e.time_range.start for e in events
-                if e.device_type == torch.autograd.DeviceType.CPU and e.name in HOST_WAITS)
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    waits = sum(e.time_range.end - e.time_range.start for e in host if e.name in HOST_WAITS)
+    host_span = max(e.time_range.end for e in host) - min(e.time_range.start for e in host) if host else 0.0
     return {"gpu_idle": (span - union) / 1e3 / steps, "exposed_communication": (union - _union_us(compute)) / 1e3 / steps,
-            "host_sync_wait": waits / 1e3 / steps}
+            "host_sync_wait": waits / 1e3 / steps, "host_busy": (host_span - waits) / 1e3 / steps}
 
 
 def main() -> None:
@@ -321,7 +323,8 @@ def main() -> None:
             if "profiled_ms" in result:
                 times = result["profiled_ms"]
                 print(f"  profiled step: GPU idle {times['gpu_idle']:.1f} ms, exposed communication "
-                      f"{times['exposed_communication']:.1f} ms, host waiting in CUDA syncs {times['host_sync_wait']:.1f} ms")
+                      f"{times['exposed_communication']:.1f} ms; host busy {times['host_busy']:.1f} ms, waiting in "
+                      f"CUDA syncs {times['host_sync_wait']:.1f} ms")
             for phase, ms in result.get("phase_ms", {}).items():
                 print(f"  {phase:<24} {ms:8.1f} ms  {100 * ms / result['step_ms']:5.1f}%")
             for ms, kernel in result.get("top_kernels_ms", []):

@@ -167,7 +167,7 @@ def test_balanced_routing_gives_every_expert_its_share_in_a_training_step():
 
 def test_profiled_times_split_idle_exposed_communication_and_host_waits():
     """Two steps: compute kernels [0, 4) and [6, 9), an exchange [3, 8) (hidden 3-4 and 6-8, exposed 4-6), nothing
-    9-10, the host waiting 2 units in a sync. Times in µs, per step in ms."""
+    9-10, the host from 0 to 3, waiting 2 units of it in a sync. Times in µs, per step in ms."""
     from types import SimpleNamespace
 
     def event(name, start, end, device):
@@ -179,4 +179,4 @@ def test_profiled_times_split_idle_exposed_communication_and_host_waits():
                event("nvjet_gemm", 6, 9, gpu), event("flash_fwd", 10, 12, gpu)]
     events = kernels + [event("cudaStreamSynchronize", 1, 3, cpu), event("aten::mm", 0, 1, cpu)]
     times = bench.profiled_times(events, kernels, steps=2)
-    assert times == {"gpu_idle": 0.5, "exposed_communication": 1.0, "host_sync_wait": 1.0}
+    assert times == {"gpu_idle": 0.5, "exposed_communication": 1.0, "host_sync_wait": 1.0, "host_busy": 0.5}
