@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> None:
         else:
             overrides.append(arg)
     cfg = load_config(config_path, overrides)
+    recorded = checkpoint.recorded_model(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
+    if recorded is not None and cfg.checkpoint.init_from:
+        cfg.continue_model(recorded)
     mcfg, t = cfg.model_config(), cfg.train
 
     if t.deterministic:  # before CUDA, cuBLAS and NCCL start
@@ -230,9 +233,11 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda":  # a config that cannot fit stops here, before any weight is allocated
         memory_plan = check_fits(cfg, world, torch.cuda.get_device_name(device),
                                  torch.cuda.get_device_properties(device).total_memory)
-    check_sources(cfg.data.mixture(), mcfg.vocab_size, cfg.checkpoint.init_from)
+    # a resumed run's weights come from its checkpoint: checkpoint.init_from is not read again (it may be gone)
+    init_from = cfg.checkpoint.init_from if recorded is None else ""
+    check_sources(cfg.data.mixture(), mcfg.vocab_size, init_from)
     tokenizer = data_tokenizer(cfg.data.mixture())  # for the export; a damaged one stops the run now, not at the end
-    init_from_line = export.check_init_from(cfg) if cfg.checkpoint.init_from else ""
+    init_from_line = export.check_init_from(cfg) if init_from else ""
     run_dir = Path(cfg.checkpoint.dir)
     rundir.lock_run_dir(run_dir, create=not cfg.checkpoint.resume)  # one run per directory, until it ends
     found = checkpoint.checkpoints(run_dir)
@@ -369,11 +374,10 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.checkpoint.export:
             export.export(run_dir / "export", model, mcfg, tokenizer)
         if rank == 0:
-            saved = checkpoint.checkpoints(run_dir)
+            saved = [p for p in checkpoint.checkpoints(run_dir) if checkpoint.step_of(p) == t.steps]  # the end's
             print(run_summary(cfg.checkpoint.dir, str(saved[-1]) if saved else None,
-                              str(run_dir / "export") if cfg.checkpoint.export else None,
-                              [arg for arg in argv if arg not in ("--resume", "--checkpoint.resume=true")],
-                              resume_command(argv), t.steps), flush=True)
+                              str(run_dir / "export") if cfg.checkpoint.export else None, resume_command(argv),
+                              t.steps), flush=True)
     elif rank == 0:
         saved = (f"saved {run_dir / f'step-{step}'}; continue with: {resume_command(argv)}" if cfg.checkpoint.every
                  else "nothing saved (checkpoint.every=0)")

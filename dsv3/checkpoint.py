@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from dsv3.config import UserError
+from dsv3.config import ModelConfig, UserError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"  # {"files": {name: {"size": bytes, "crc32": int}}}, written last inside step-N.tmp
@@ -319,6 +319,16 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -
     for group, kept in zip(optimizer.param_groups, hyperparameters, strict=True):
         group.update(kept)  # this run's betas and weight decay, not the saved run's (its moments are the state)
     _restore_rng(Path(path))
+
+
+def recorded_model(run_dir: str | Path) -> ModelConfig | None:
+    """The model the newest checkpoint of `run_dir` recorded (its train.json), None without one."""
+    for path in reversed(checkpoints(run_dir)):
+        try:
+            return ModelConfig(**json.loads((path / TRAIN_STATE).read_text())["config"]["model"])
+        except (OSError, ValueError, KeyError, TypeError):  # damaged or older: resume_from judges it
+            continue
+    return None
 
 
 def read_train_state(path: str | Path) -> dict[str, Any]:

@@ -220,7 +220,7 @@ class TrainConfig:
     precision_skip: list[str] = field(default_factory=list)  # dense linears whose name contains one stay bf16
     fp8_min_features: int = 1536  # fp8 converts a dense linear only if min(in, out) features reach this (≥ 0)
     compile: bool = False  # torch.compile each block
-    balanced_routing: bool = False  # benchmarks: experts chosen uniformly at random, not learned (dsv3.moe.uniform_topk)
+    balanced_routing: bool = False  # benchmarks: experts picked uniformly at random (moe.uniform_topk), not learned
     activation_checkpoint: str = "none"  # none | full | selective
     loss_spike_factor: float = 3.0  # stop when the loss exceeds this × its running mean (0: off)
     grad_norm_spike_factor: float = 100.0  # the same for the grad norm (benign early spikes reach ~10×)
@@ -314,8 +314,17 @@ class Config:
         unknown = sorted(set(self.model) - known)
         if unknown:
             raise UserError(f"unknown model key(s) {unknown}: {_known_keys('model', unknown[0], known)}")
-        saved = saved_model_config(self.checkpoint.init_from) if self.checkpoint.init_from else None
-        return dataclasses.replace(saved or FLAVORS[self.flavor], **self.model)
+        base = FLAVORS[self.flavor]
+        if self.checkpoint.init_from:  # read once: the model a run built must not change if the file does
+            if "_init_model" not in self.__dict__:
+                self.__dict__["_init_model"] = saved_model_config(self.checkpoint.init_from) or base
+            base = self.__dict__["_init_model"]
+        return dataclasses.replace(base, **self.model)
+
+    def continue_model(self, recorded: ModelConfig) -> None:
+        """A resumed run that started from checkpoint.init_from trains the model its checkpoint recorded (the
+        [model] overrides on top, for `resume_changes` to judge): the init_from directory is not read again."""
+        self.__dict__["_init_model"] = recorded
 
 
 _SECTIONS = ("train", "data", "parallel", "checkpoint", "log")
@@ -510,9 +519,15 @@ def resume_changes(saved: dict[str, Any], cfg: Config) -> list[str]:
         return UserError(f"--resume: the checkpoint was saved with {key}={was}, this run has {_flat(now, key)}: "
                          f"{fix}, or start a new run in another --checkpoint.dir")
 
-    for key, was in saved["model"].items():
-        if key != "init_std" and now["model"].get(key) != was:  # init_std is moot: the weights are loaded
-            raise refuse(f"model.{key}", was, f"resume with --model.{key}={json.dumps(was).strip(chr(34))}")
+    # init_std is moot: the weights are loaded
+    differing = {key: was for key, was in saved["model"].items() if key != "init_std" and now["model"].get(key) != was}
+    if differing:
+        flags = " ".join(f"--model.{key}={json.dumps(was).strip(chr(34))}" for key, was in differing.items())
+        if saved["checkpoint"].get("init_from") and not cfg.checkpoint.init_from:  # its model came from the weights
+            flags = f"--checkpoint.init_from={saved['checkpoint']['init_from']}"
+        key, was = next(iter(differing.items()))
+        raise refuse(f"model.{key}", was, f"resume with {flags}" if len(differing) == 1 or "init_from" in flags else
+                     f"resume with {flags} (model fields {', '.join(differing)} differ)")
     for key in _RESUME_FIXED:
         if _flat(saved, key) != _flat(now, key):
             raise refuse(key, _flat(saved, key), f"resume with --{key}={_flat(saved, key)}")

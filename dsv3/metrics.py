@@ -145,11 +145,9 @@ def startup_banner(cfg: Config, world: int, device: torch.device, memory_plan: s
     return "\n".join(lines)
 
 
-def run_summary(run_dir: str, last_checkpoint: str | None, export_dir: str | None, run_args: list[str],
-                resume: str, steps: int) -> str:
+def run_summary(run_dir: str, last_checkpoint: str | None, export_dir: str | None, resume: str, steps: int) -> str:
     """The run's last lines: where its results are, and the commands for what comes next, each as it can be pasted
-    (a trailing comment says what it does). `run_args`: train.py's arguments; `resume`: the command continuing
-    this run (dsv3.stop.resume_command)."""
+    (a trailing comment says what it does). `resume`: the command continuing this run (dsv3.stop.resume_command)."""
     lines = [f"results in {run_dir}:", f"  metrics     {os.path.join(run_dir, 'metrics.jsonl')} (expert_load.jsonl "
                                        "beside it)"]
     if last_checkpoint:
@@ -163,8 +161,7 @@ def run_summary(run_dir: str, last_checkpoint: str | None, export_dir: str | Non
                   f"  python scripts/convert_hf.py --to-hf {shlex.quote(export_dir)} "
                   f"{shlex.quote(os.path.join(run_dir, 'hf'))}  # for transformers"]
     elif last_checkpoint:
-        lines.append(f"  python scripts/generate.py {shlex.quote(last_checkpoint)} {shlex.join(run_args)} "
-                     "--prompt 'The'  # sample text")
+        lines.append(f"  python scripts/generate.py {shlex.quote(last_checkpoint)} --prompt 'The'  # sample text")
     if last_checkpoint:
         lines.append(f"  {resume} --train.steps={2 * steps}  # train on")
     return "\n".join(lines)

@@ -123,7 +123,7 @@ class ComputeCopies:
                                         if p in self.own_of else torch.empty_like(_local(p), dtype=dtype),
                                         requires_grad=p.requires_grad)
                         for _, _, p in self.slots}
-        self._written_at: dict[nn.Parameter, tuple[int, int]] = {}  # p → (p._version, p.data_ptr()) at the write
+        self._written_at: dict[nn.Parameter, tuple[int, int, int]] = {}  # p → `_stamp(p)` at the write
         self._accumulate = False
         self._fp32_grad: dict[nn.Parameter, torch.Tensor] = {}  # p → its copies' gradients summed, when accumulating
         for p, copy in self.copy_of.items():
@@ -131,8 +131,9 @@ class ComputeCopies:
                 copy.register_post_accumulate_grad_hook(functools.partial(self._on_grad, p))
 
     @staticmethod
-    def _stamp(p: nn.Parameter) -> tuple[int, int]:
-        return p._version, p.data_ptr()
+    def _stamp(p: nn.Parameter) -> tuple[int, int, int]:
+        # a DTensor's own version and pointer miss writes into its shard: its local tensor's count too
+        return p._version, _local(p)._version, _local(p).data_ptr()
 
     @contextlib.contextmanager
     def active(self, accumulate: bool = False) -> Iterator[None]:
@@ -158,12 +159,13 @@ class ComputeCopies:
 
     @torch.no_grad()
     def _on_grad(self, p: nn.Parameter, copy: nn.Parameter) -> None:
-        if self.grad_divisor != 1:
-            copy.grad.div_(self.grad_divisor)
-        if self._accumulate:
+        if self._accumulate:  # divided in fp32, as FSDP's fp32 reduction does
+            grad = copy.grad.float().div_(self.grad_divisor)
             total = self._fp32_grad.get(p)
-            self._fp32_grad[p] = copy.grad.float() if total is None else total.add_(copy.grad)
+            self._fp32_grad[p] = grad if total is None else total.add_(grad)
             copy.grad = None
+        elif self.grad_divisor != 1:
+            copy.grad.div_(self.grad_divisor)
 
     def grad(self, p: nn.Parameter) -> torch.Tensor | None:
         """`p`'s gradient: its fp32 sum over micro-batches when they were accumulated, else its own where something

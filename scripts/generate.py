@@ -2,11 +2,11 @@
 
     python scripts/generate.py runs/debug/export --prompt "def main(" [--max-tokens 100] [--temperature 0.8]
         [--top-k 50] [--seed 0] [--device auto]
-    python scripts/generate.py runs/debug/step-200 --config configs/debug.toml [--section.key=value ...] --prompt ...
+    python scripts/generate.py runs/debug/step-200 --prompt ...
 
 An export (train.py's, or convert_hf.py --to-dsv3's) holds config.json, the weights and the tokenizer. A checkpoint
-holds tensors only: pass the run's own --config and overrides, which name its model and its data, whose tokenizer/
-is used. The prompt is encoded as the data was (BOS first where the tokenizer adds one); generation stops at EOS or
+records its run's model and data (train.json), whose tokenizer is used; one written before it did needs the run's own
+--config and overrides. The prompt is encoded as the data was (BOS first where the tokenizer adds one); generation stops at EOS or
 after --max-tokens. --temperature 0 is greedy. On CUDA the weights compute in bf16, as in training; on CPU in fp32.
 
 No KV cache: every new token re-runs the whole forward over the context (at most model.max_seq_len tokens, the
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file without installing dsv3
 from dsv3 import checkpoint, export  # noqa: E402
-from dsv3.config import UserError, load_config, run_main, saved_model_config  # noqa: E402
+from dsv3.config import ModelConfig, UserError, load_config, run_main, saved_model_config  # noqa: E402
 from dsv3.data import data_tokenizer  # noqa: E402
 from dsv3.model import Transformer  # noqa: E402
 from dsv3.tokenizer import Tokenizer, find_tokenizer  # noqa: E402
@@ -56,16 +56,20 @@ def generate(model: Transformer, ids: list[int], max_tokens: int, temperature: f
 
 def load_model(path: Path, config: str | None, overrides: list[str],
                device: torch.device) -> tuple[Transformer, Tokenizer | None]:
-    """The model of an export (config.json beside the weights) or of a checkpoint (`config` and `overrides`: the
-    run's), and the tokenizer that travelled with it: the export's, or the run's data's."""
+    """The model of an export (config.json beside the weights) or of a checkpoint (the one its train.json records, or
+    `config` and `overrides`: the run's), and the tokenizer that travelled with it: the export's, or the run's data's."""
     if (path / "config.json").is_file():
         cfg, tokenizer = saved_model_config(path), find_tokenizer(path)
     elif not (path / ".metadata").is_file():
         raise UserError(f"{path} is neither an export (config.json + safetensors) nor a checkpoint (step-N/): "
                         "pass runs/NAME/export or runs/NAME/step-N")
+    elif (path / checkpoint.TRAIN_STATE).is_file() and config is None:  # the run's model and data, as it recorded them
+        record = checkpoint.read_train_state(path)["config"]
+        cfg = ModelConfig(**record["model"])
+        tokenizer = data_tokenizer([(name, source, share) for name, (source, share) in record["sources"].items()])
     elif config is None:
-        raise UserError(f"{path} is a checkpoint, which holds no model config: pass the run's own --config FILE.toml "
-                        "and --model.* overrides, or sample from its export")
+        raise UserError(f"{path} is a checkpoint that records no model config: pass the run's own --config "
+                        "FILE.toml and --model.* overrides, or sample from its export")
     else:
         run = load_config(config, overrides)
         cfg, tokenizer = run.model_config(), data_tokenizer(run.data.mixture())
@@ -83,8 +87,8 @@ def load_model(path: Path, config: str | None, overrides: list[str],
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("weights", type=Path, help="an export directory, or a checkpoint step-N/ (with --config)")
-    parser.add_argument("--config", default=None, help="a checkpoint's run config (its --section.key=value too)")
+    parser.add_argument("weights", type=Path, help="an export directory, or a checkpoint step-N/")
+    parser.add_argument("--config", default=None, help="an older checkpoint's run config (its --section.key=value too)")
     parser.add_argument("--prompt", default="", help="text to continue; empty: the start of a document")
     parser.add_argument("--max-tokens", type=int, default=100)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")

@@ -2,6 +2,7 @@
 results, the dispatcher's autograd plumbing over a loopback stand-in for deep_ep.Buffer, the start-up errors,
 and (GPU, ≥ 2 GPUs with deep_ep) training parity with the all-to-all backend."""
 
+import contextlib
 import copy
 import importlib.util
 import sys
@@ -369,11 +370,15 @@ def _gpu_run(cfg: Config, world: int, rank: int, device: torch.device, starve: b
     tokens = torch.randint(0, cfg.model_config().vocab_size, (STEPS + 1, t.global_batch, t.seq_len + 1),
                            generator=torch.Generator().manual_seed(1))
     local = tokens[:, rank * t.micro_batch:(rank + 1) * t.micro_batch].to(device)
-    out = model(local[0][:, :-1], local[0][:, 1:])
-    (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
-    grads = {n: (p.grad.to_local() if isinstance(p.grad, dist.tensor.DTensor) else p.grad).float().clone()
-             for n, p in model.named_parameters()}
+    copies = getattr(model, "compute_copies", None)  # the routed experts at ep == world
+    with copies.active() if copies else contextlib.nullcontext():
+        out = model(local[0][:, :-1], local[0][:, 1:])
+        (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
+    grads = {n: (g.to_local() if isinstance(g, dist.tensor.DTensor) else g).float().clone()
+             for n, p in model.named_parameters() for g in [copies.grad(p) if copies else p.grad]}
     model.zero_grad(set_to_none=True)
+    if copies:
+        copies.zero_grad()
     optimizer = train.build_optimizer(model, t, device)
     losses = [train.train_step(model, optimizer, local[step], t, step)[0][:3].tolist() for step in range(1, STEPS + 1)]
     return {"grads": grads, "losses": torch.tensor(losses)}

@@ -67,8 +67,8 @@ def test_the_script_samples_from_an_export_reproducibly_per_seed(exported, capsy
     assert len({sample("--seed", str(seed), "--top-k", "0", "--temperature", "2") for seed in range(4)}) > 1
 
 
-def test_a_checkpoint_without_its_config_is_refused_naming_what_to_pass(tmp_path):
+def test_a_checkpoint_that_records_no_config_is_refused_naming_what_to_pass(tmp_path):
     (tmp_path / "step-5").mkdir()
     (tmp_path / "step-5" / ".metadata").write_bytes(b"")
-    with pytest.raises(UserError, match=r"holds no model config: pass the run's own --config FILE.toml"):
+    with pytest.raises(UserError, match=r"records no model config: pass the run's own --config FILE.toml"):
         main([str(tmp_path / "step-5"), "--device", "cpu"])

@@ -241,9 +241,11 @@ def _compiled_ep_worker(rank: int, world: int, port: int, out_path: str) -> None
         cfg = Config(flavor="debug", parallel=ParallelConfig(ep=world),
                      train=TrainConfig(global_batch=4 * world, micro_batch=4, seq_len=128, compile=compile))
         model = build_model(cfg, world, device)  # seeds from train.seed
-        out = model(local[:, :-1], local[:, 1:])
-        (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
-        grads[compile] = {n: _full(p.grad).float().cpu() for n, p in model.named_parameters()}
+        copies = getattr(model, "compute_copies", None)  # the routed experts at ep == world
+        with copies.active() if copies else contextlib.nullcontext():
+            out = model(local[:, :-1], local[:, 1:])
+            (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
+        grads[compile] = {n: _full(_grad(p, copies)).float().cpu() for n, p in model.named_parameters()}
     _save_from_rank_0_and_leave(rank, grads, out_path)
 
 
@@ -513,3 +515,28 @@ def test_compute_copies_train_one_rank_as_fsdp_mixed_precision(ac, tmp_path):
         else:
             assert torch.equal(copies["grads"][name], grad), name
     torch.testing.assert_close(copies["losses"], fsdp["losses"], rtol=2e-3, atol=0)
+
+
+def _shard_write_worker(rank: int, world: int, port: int, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = dist.device_mesh.init_device_mesh("cpu", (world,))
+    module = torch.nn.Linear(4, 4, bias=False)
+    module.weight = torch.nn.Parameter(dist.tensor.distribute_tensor(torch.zeros(4, 4), mesh, [dist.tensor.Shard(0)]))
+    weight = module.weight
+    copies = optim.ComputeCopies(module, torch.bfloat16, params=[weight])
+    with copies.active():
+        pass
+    with torch.no_grad():
+        weight.to_local().fill_(7)  # a write into the shard, past the DTensor
+    with copies.active():
+        seen = module.weight.float()
+    _save_from_rank_0_and_leave(rank, seen, out_path)
+
+
+@pytest.mark.slow
+def test_a_copy_of_a_sharded_parameter_is_remade_after_a_write_into_its_shard(tmp_path):
+    """An expert stack outside FSDP (ep == world) is a DTensor: a write into its local shard must remake the copy."""
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_shard_write_worker, args=(1, free_port(), str(out)), nprocs=1)
+    assert (torch.load(out) == 7).all()

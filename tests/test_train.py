@@ -850,3 +850,25 @@ def test_plot_draws_a_real_run(learned, tmp_path):
     written = plot_runs([str(learned)], str(tmp_path))
     assert {p.name for p in written} == {"loss.png", "lr.png", "grad_norm.png", "tokens_per_s.png", "expert_load.png"}
 
+
+
+@pytest.mark.slow
+def test_a_run_from_init_from_records_the_model_it_built_and_resumes_without_that_directory(data, tmp_path,
+                                                                                               monkeypatch):
+    """The model an init_from run builds is read once: its checkpoints record it even when the init_from directory
+    goes away mid-run, and the run resumes from its checkpoint without that directory; leaving init_from out of the
+    resume names it as the fix."""
+    weights = tmp_path / "weights"
+    model_cfg = dataclasses.replace(FLAVORS["debug"], dim=96, n_layers=2)
+    export.export(weights, Transformer(model_cfg), model_cfg)
+    stop_at(monkeypatch, 2, lambda model: shutil.rmtree(weights))  # gone after the first checkpoint
+    args = [*TINY[1:], f"--checkpoint.init_from={weights}", "--checkpoint.every=1"]
+    run(tmp_path / "run", *args, "--train.steps=3")
+    monkeypatch.undo()
+    for step in (1, 2, 3):
+        assert checkpoint.read_train_state(tmp_path / "run" / f"step-{step}")["config"]["model"]["dim"] == 96
+    rows = run(tmp_path / "run", *args, "--train.steps=4", "--resume")
+    assert max(rows) == 4
+    with pytest.raises(UserError, match=rf"saved with model.dim=96, this run has 128: resume with "
+                                        rf"--checkpoint.init_from={weights}, or start a new run"):
+        run(tmp_path / "run", *TINY[1:], "--checkpoint.every=1", "--train.steps=5", "--resume")
