@@ -77,6 +77,9 @@ def load_model(path: Path, config: str | None, overrides: list[str],
     if (path / "config.json").is_file():
         export.load_weights(path, model)
     else:
+        problem = checkpoint.verify(path)
+        if problem:
+            raise UserError(f"{path} cannot be loaded: {problem}")
         checkpoint.load_model(path, model)
     model.to(device)
     if device.type == "cuda":  # bf16 weights, as training computes on GPUs; RoPE tables and expert biases stay fp32
