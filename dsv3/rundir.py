@@ -3,7 +3,6 @@ where it cannot write one more checkpoint (`check_free_space`)."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import socket
@@ -14,6 +13,7 @@ import torch.distributed as dist
 
 from dsv3.checkpoint import _rank
 from dsv3.config import UserError
+from dsv3.lockfile import take_lock
 
 _held_locks: dict[Path, IO] = {}
 
@@ -34,18 +34,11 @@ def lock_run_dir(run_dir: str | Path, create: bool = True) -> None:
         except OSError as e:
             problem = f"checkpoint.dir={run_dir} cannot be written ({e.strerror}): choose a writable --checkpoint.dir"
         else:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                lock.seek(0)
-                holder = lock.read().split() or ["?", "?"]
-                lock.close()
+            holder = take_lock(lock)
+            if holder is not None:
                 problem = (f"checkpoint.dir={run_dir} is in use by another run (pid {holder[0]} on host "
-                           f"{holder[-1]}): wait for it to end, or give this run its own --checkpoint.dir")
+                           f"{holder[1]}): wait for it to end, or give this run its own --checkpoint.dir")
             else:
-                lock.truncate(0)
-                lock.write(f"{os.getpid()} {socket.gethostname()}\n")
-                lock.flush()
                 _held_locks[run_dir] = lock
     if dist.is_initialized():  # every rank stops, or none: a lone rank 0 exit would hang the others
         shared = [problem]

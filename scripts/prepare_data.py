@@ -21,14 +21,12 @@ document and is held whole by the worker that tokenizes it.
 
 import argparse
 import contextlib
-import fcntl
 import hashlib
 import json
 import multiprocessing
 import multiprocessing.pool
 import os
 import shutil
-import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -41,6 +39,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file without installing dsv3
 from dsv3.config import TrainConfig, UserError, run_main  # noqa: E402
 from dsv3.corpus import ReadOptions, Unit, expand_inputs, plan_units, read_unit, stdlib_units  # noqa: E402
+from dsv3.lockfile import take_lock  # noqa: E402
 from dsv3.tokenizer import Tokenizer  # noqa: E402
 
 CHUNK_BYTES = 32 << 20  # plain .jsonl bytes (or parquet bytes) per unit: work for a few seconds per worker
@@ -120,17 +119,10 @@ def lock_out(out: Path) -> IO:
     the process dies: a second run on the same --out is refused with the holder's pid and host."""
     out.parent.mkdir(parents=True, exist_ok=True)
     lock = open(out.with_name(f"{out.name}.lock"), "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().split() or ["?", "?"]
-        lock.close()
-        raise UserError(f"--out {out} is being prepared by another run (pid {holder[0]} on host {holder[-1]}): wait "
-                        "for it to end, or choose another --out") from None
-    lock.truncate(0)
-    lock.write(f"{os.getpid()} {socket.gethostname()}\n")
-    lock.flush()
+    holder = take_lock(lock)
+    if holder is not None:
+        raise UserError(f"--out {out} is being prepared by another run (pid {holder[0]} on host {holder[1]}): wait "
+                        "for it to end, or choose another --out")
     return lock
 
 
