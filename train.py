@@ -374,8 +374,8 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.checkpoint.export:
             export.export(run_dir / "export", model, mcfg, tokenizer)
         if rank == 0:
-            saved = [p for p in checkpoint.checkpoints(run_dir) if checkpoint.step_of(p) == t.steps]  # the end's
-            print(run_summary(cfg.checkpoint.dir, str(saved[-1]) if saved else None,
+            last = [p for p in checkpoint.checkpoints(run_dir) if checkpoint.step_of(p) == t.steps]  # the end's
+            print(run_summary(cfg.checkpoint.dir, str(last[-1]) if last else None,
                               str(run_dir / "export") if cfg.checkpoint.export else None, resume_command(argv),
                               t.steps), flush=True)
     elif rank == 0:

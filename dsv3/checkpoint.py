@@ -305,8 +305,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -
     """Load a checkpoint into the (possibly differently sharded) model and optimizer, and this rank's RNG state."""
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     try:
-        with _dcp_call():
-            dcp.load(state, storage_reader=_DataOnlyReader(str(path)), planner=_DataOnlyPlanner())
+        _load_data_only(state, path)
     except RuntimeError as e:
         missing = re.search(r"Missing key in checkpoint state_dict: (\S+?)\.?$", str(e), re.MULTILINE)
         if missing is None:
@@ -325,8 +324,8 @@ def recorded_model(run_dir: str | Path) -> ModelConfig | None:
     """The model the newest checkpoint of `run_dir` recorded (its train.json), None without one."""
     for path in reversed(checkpoints(run_dir)):
         try:
-            return ModelConfig(**json.loads((path / TRAIN_STATE).read_text())["config"]["model"])
-        except (OSError, ValueError, KeyError, TypeError):  # damaged or older: resume_from judges it
+            return ModelConfig(**read_train_state(path)["config"]["model"])
+        except (UserError, OSError, ValueError, KeyError, TypeError):  # damaged or older: resume_from judges it
             continue
     return None
 
@@ -423,6 +422,11 @@ def _restore_rng(path: Path) -> None:
 def load_model(path: str | Path, model: nn.Module) -> None:
     """The model's weights alone from checkpoint `path` (for sampling): no optimizer moments or train state read."""
     state = {"model": get_model_state_dict(model)}
+    _load_data_only(state, path)
+    set_model_state_dict(model, state["model"])
+
+
+def _load_data_only(state: dict[str, Any], path: str | Path) -> None:
+    """dcp.load of `state` from checkpoint `path`, running nothing it holds (_DataOnlyReader, _DataOnlyPlanner)."""
     with _dcp_call():
         dcp.load(state, storage_reader=_DataOnlyReader(str(path)), planner=_DataOnlyPlanner())
-    set_model_state_dict(model, state["model"])

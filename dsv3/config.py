@@ -526,8 +526,7 @@ def resume_changes(saved: dict[str, Any], cfg: Config) -> list[str]:
         if saved["checkpoint"].get("init_from") and not cfg.checkpoint.init_from:  # its model came from the weights
             flags = f"--checkpoint.init_from={saved['checkpoint']['init_from']}"
         key, was = next(iter(differing.items()))
-        raise refuse(f"model.{key}", was, f"resume with {flags}" if len(differing) == 1 or "init_from" in flags else
-                     f"resume with {flags} (model fields {', '.join(differing)} differ)")
+        raise refuse(f"model.{key}", was, f"resume with {flags}")
     for key in _RESUME_FIXED:
         if _flat(saved, key) != _flat(now, key):
             raise refuse(key, _flat(saved, key), f"resume with --{key}={_flat(saved, key)}")
