@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
 from dsv3 import parallel  # noqa: E402
 from dsv3.config import load_config, run_main  # noqa: E402
+from dsv3.determinism import make_deterministic  # noqa: E402
 from dsv3.metrics import flops_per_token, layer_flops_per_token, memory_stats, mfu, peak_flops  # noqa: E402
 from dsv3.model import MLP, Transformer  # noqa: E402
 
@@ -209,6 +210,8 @@ def main() -> None:
         overrides.append("--train.balanced_routing=true")
     cfg = load_config(args.config, overrides)
     mcfg, t = cfg.model_config(), cfg.train
+    if t.deterministic:  # what --train.deterministic=true costs (before CUDA, cuBLAS and NCCL start, as in train.py)
+        make_deterministic()
     rank, world, device = parallel.init_distributed(t.device)
     train.check_setup(cfg, world, device)
     model = train.build_model(cfg, world, device)
