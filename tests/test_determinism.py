@@ -60,18 +60,20 @@ def test_deepep_is_refused_in_one_line_at_start_up():
 
 
 def fresh_gpu_run(run_dir: Path, world: int) -> None:
-    """The debug model for 30 steps (validation at 15 and 30) in a process of its own, one per GPU at world > 1."""
+    """The debug model for 30 steps (validation at 15 and 30) in a process of its own, one per GPU at world > 1; at
+    world 4 with expert parallelism over all four (all_to_all), as the many-GPU configs run."""
     launcher = [] if world == 1 else ["-m", "torch.distributed.run", f"--master_port={free_port()}",
                                       f"--nproc_per_node={world}"]
     args = ["--config", CONFIG, f"--data.path={DATA}", f"--checkpoint.dir={run_dir}", "--train.deterministic=true",
-            "--train.steps=30", "--train.val_every=15", "--log.every=1", "--checkpoint.every=0"]
+            "--train.steps=30", "--train.val_every=15", "--log.every=1", "--checkpoint.every=0",
+            f"--train.micro_batch={min(8, 16 // world)}", f"--parallel.ep={4 if world == 4 else 1}"]
     done = subprocess.run([sys.executable, *launcher, str(ROOT / "train.py"), *args], cwd=ROOT, text=True,
                           capture_output=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world", [1, 2], ids=["1-gpu", "2-gpus"])
+@pytest.mark.parametrize("world", [1, 2, 4], ids=["1-gpu", "2-gpus", "4-gpus"])
 def test_two_fresh_gpu_runs_repeat_every_loss_and_weight_bit_for_bit(data, tmp_path, world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
