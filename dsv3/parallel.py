@@ -121,6 +121,13 @@ def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, red
             if expert_mesh.device_type == "cpu":
                 block.ffn.experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=meshes.dense, mp_policy=mp, ignored_params=ignored)
+        # A block checkpointed and compiled inside (apply_compile) runs FSDP's hooks outside the compiled code. Dynamo
+        # would still trace the modules FSDP manages as such, their int attributes (heads, head dims) as symbolic sizes
+        # under dynamic=True: its attention kernels would compile dynamic (slower). Traced as plain modules, they stay
+        # constants. (The routed experts' own FSDP unit, where there is one, is left as it is.)
+        for module in getattr(block, "_checkpoint_wrapped_module", nn.Module()).modules():
+            if not isinstance(module, FSDPModule):
+                module.__dict__.pop("_is_fsdp_managed_module", None)
     fully_shard(model, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=False,
                 ignored_params=set(unsharded) or None)
     if ep > 1:
@@ -195,16 +202,27 @@ def apply_compile(model: Transformer, backend: str | Callable = "inductor") -> N
     dynamo runs a traced checkpoint with a graph break in it eagerly, whole. Inside, a recompile between a
     block's forward and its recompute (for the MTP block's shorter sequence, a new received-token count under EP)
     would make the recompute run another graph than the forward's, which selective AC rejects: where shapes
-    change within a step, shapes are dynamic from the first compile. Only there: dynamic kernels slow a 16B step
-    on one H100 (selective AC; docs/log.md). Call after `apply_expert_parallel`."""
+    change within a step, shapes are dynamic from the first compile. Only there, and only past the block's inputs:
+    dynamic kernels are slower (a 16B step on one H100, selective AC: 9%; docs/log.md), and the block's input, RoPE
+    tables included, has one shape per block (the MTP block's is another, a static graph of its own), so attention,
+    the norms and the router compile static (with apply_fsdp's help); what the exchange returns stays dynamic.
+    Call after `apply_expert_parallel`."""
     # only the local dispatcher hands the experts the same number of rows every time
     shapes_change = len(model.mtp) > 0 or any(not isinstance(m.dispatcher, LocalDispatcher) for m in moe_layers(model))
     for block in model.blocks():
         inner = getattr(block, "_checkpoint_wrapped_module", None)
         if inner is not None and isinstance(inner.ffn, MoE):
             inner.compile(backend=backend, dynamic=True if shapes_change else None)
+            if shapes_change:
+                block.register_forward_pre_hook(_static_inputs)  # on the checkpoint wrapper, outside compile
         else:
             block.compile(backend=backend)
+
+
+def _static_inputs(module: nn.Module, args: tuple) -> None:
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            torch._dynamo.mark_static(arg)
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
