@@ -275,7 +275,10 @@ def _compiled_ac_worker(rank: int, world: int, ep: int, port: int, out_path: str
     captured, results = [], {}
     dynamic = {"attention": 0, "experts": 0}  # forward graphs with symbolic sizes among their inputs, by what they run
 
+    graphs = []  # per batch: forward graphs compiled
+
     def record(gm, example_inputs):  # the ops of every compiled forward graph; run as traced (no inductor)
+        graphs[-1] += 1
         ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
         captured.extend(ops)
         sizes = [s for x in example_inputs for s in (x.shape if isinstance(x, torch.Tensor) else (x,))]
@@ -290,12 +293,14 @@ def _compiled_ac_worker(rank: int, world: int, ep: int, port: int, out_path: str
         model = _parallelize(Transformer(cfg), world, ep, ac, torch.bfloat16,
                              aot_autograd(fw_compiler=record) if compile else None)
         for batch in local:  # the second batch dispatches other token counts: no recompile between fwd and recompute
+            graphs.append(0)
             model.zero_grad(set_to_none=True)
             out = model(batch[:, :-1], batch[:, 1:])
             (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
         results[compile] = {"loss": out.loss.detach(), "grads": {n: _full(p.grad) for n, p in model.named_parameters()}}
     results["grouped_mm_compiled"] = captured.count(torch.ops.aten._grouped_mm.default)
     results["dynamic_graphs"] = dynamic
+    results["graphs_per_batch"] = graphs[-2:]  # the compiled run's
     _save_from_rank_0_and_leave(rank, results, out_path)
 
 
@@ -315,6 +320,8 @@ def test_compile_reaches_checkpointed_moe_blocks(ac, ep, tmp_path):
     assert got["dynamic_graphs"] == ({"attention": 0, "experts": got["dynamic_graphs"]["experts"]} if ep > 1 else
                                      {"attention": 0, "experts": 0})
     assert ep == 1 or got["dynamic_graphs"]["experts"] > 0
+    first, second = got["graphs_per_batch"]
+    assert first > 0 and second == 0  # the second batch (new token counts under EP) recompiled nothing
     torch.testing.assert_close(got[True]["loss"], got[False]["loss"], rtol=1e-3, atol=1e-3)
     for name, grad in got[False]["grads"].items():
         torch.testing.assert_close(got[True]["grads"][name], grad, rtol=2e-2, atol=1e-3, msg=name)
