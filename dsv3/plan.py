@@ -16,6 +16,7 @@ micro-batch. Rates and link speeds are data with their sources (`GPUS`, `INFINIB
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -88,7 +89,22 @@ EP_HEADROOM = 1.25
 FIT_FRACTION = 0.95  # the plan must stay under this share of the GPU's memory
 
 
-def _saved_per_token(mc: ModelConfig, moe: bool, ep: int) -> dict[str, float]:
+def _exchange_kept_per_token(mc: ModelConfig, ep: int, backend: str) -> float:
+    """bf16 elements per token that selective AC keeps of a MoE layer's two exchanges (`parallel._EXCHANGE_OPS`).
+    all_to_all receives each of a token's K copies and returns them; DeepEP sends a token once to every rank that
+    holds one of its experts (under a balanced router, ep · P(one of its K experts is on a given rank) ranks) and
+    returns one combined row."""
+    d, K = mc.dim, mc.n_activated_experts
+    if ep == 1:
+        return 0.0
+    if backend == "deepep":
+        E = mc.n_routed_experts
+        missed = math.comb(E - E // ep, K) / math.comb(E, K)  # no expert of a token on a given rank
+        return (ep * (1 - missed) * EP_HEADROOM + 1) * d
+    return 2 * K * EP_HEADROOM * d
+
+
+def _saved_per_token(mc: ModelConfig, moe: bool, ep: int, backend: str = "all_to_all") -> dict[str, float]:
     """bf16 elements one block saves for backward per token, by AC mode (fp32 tensors count twice)."""
     d, H, K, I = mc.dim, mc.n_heads, mc.n_activated_experts, mc.moe_inter_dim
     q = H * mc.qk_head_dim
@@ -108,10 +124,9 @@ def _saved_per_token(mc: ModelConfig, moe: bool, ep: int) -> dict[str, float]:
     # (under EP the received copies replace the local ones: backward needs no exchange input)
     copy = 2 * d + 3 * I
     token_side = d + 4 * mc.n_routed_experts + 3 * mc.n_shared_experts * I + d  # normed, fp32 scores, shared, out
-    # inside a compiled MoE block SAC keeps grouped GEMM, SDPA and all-to-all outputs (parallel._selective_policy)
-    exchange = 2 * d if ep > 1 else 0
+    # inside a compiled MoE block SAC keeps grouped GEMM, SDPA and exchange outputs (parallel._selective_policy)
     return {"none": attention + token_side + copies * copy,
-            "selective": d + sdpa_out + copies * (2 * I + d + exchange), "full": d}
+            "selective": d + sdpa_out + copies * (2 * I + d) + _exchange_kept_per_token(mc, ep, backend), "full": d}
 
 
 @dataclass(frozen=True)
@@ -274,7 +289,7 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
     mode = t.activation_checkpoint
     for b in range(n):
         moe = b >= mc.n_dense_layers
-        saved, saved_local = _saved_per_token(mc, moe, ep), _saved_per_token(mc, moe, 1)
+        saved, saved_local = _saved_per_token(mc, moe, ep, p.ep_backend), _saved_per_token(mc, moe, 1)
         kept, kept_local = (ACTIVATION_FACTOR * 2 * T * s[mode] for s in (saved, saved_local))
         recomputed = ACTIVATION_FACTOR * 2 * T * saved["none"] - kept
         line = "activations" if b < tl.n_layers else "mtp"
@@ -498,7 +513,8 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
         "one GPU, several micro-batches: each bf16 gradient is folded into an fp32 accumulator as soon as autograd "
         "writes it",
         f"EP receive buffers: a balanced router's T·K copies × {EP_HEADROOM} headroom",
-        "bf16 GEMMs and the all_to_all dispatcher: fp8/mxfp8 and DeepEP, both faster, are not modelled",
+        "bf16 GEMMs: fp8/mxfp8, faster, are not modelled; DeepEP's exchange takes all_to_all's time (the 16B cut at EP 4: "
+        "measured within 2% of each other), its kept buffers their own size",
     ]
     if not t.compile:  # the activation terms were measured on compiled blocks, which recompute more under AC
         assumptions.append("train.compile is off: eager blocks save more for backward than this plan counts "

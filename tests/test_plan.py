@@ -94,6 +94,24 @@ def test_plan_matches_measurement(path, overrides, gpus, kind, memory_gib, token
     assert planned.tokens_per_s_per_gpu == pytest.approx(tokens_per_s, rel=0.20)
 
 
+# Four H200s of one host, EP 4, local batch 4 × 4096, balanced routing (scripts/bench.py --balanced-routing, docs/
+# performance.md#many-gpus): the planner must meet these within 10% (tokens/s) and 5% (memory), both dispatchers.
+EP4 = ["--parallel.ep=4", "--train.global_batch=16"]
+MEASURED_EP4 = [  # (config, overrides, GiB per GPU, tokens/s per GPU)
+    ("configs/16b.toml", [*EP4, "--parallel.ep_backend=deepep"], 75.7, 18_302),  # selective AC
+    (CUT_16B, [*EP4, "--parallel.ep_backend=deepep"], 19.0, 121_194),
+    (CUT_16B, [*EP4, "--parallel.ep_backend=all_to_all"], 19.0, 119_454),
+]
+
+
+@pytest.mark.parametrize("path, overrides, memory_gib, tokens_per_s", MEASURED_EP4,
+                         ids=["16B-deepep", "16B-cut-deepep", "16B-cut-all-to-all"])
+def test_plan_matches_four_gpus_with_expert_parallelism(path, overrides, memory_gib, tokens_per_s):
+    planned = plan(load_config(path, overrides), 4, "h200")
+    assert planned.memory_gib_per_gpu == pytest.approx(memory_gib, rel=0.05)
+    assert planned.tokens_per_s_per_gpu == pytest.approx(tokens_per_s, rel=0.10)
+
+
 # One GPU, two micro-batches: the fp32 accumulators carried from the first into the second, and (full AC) one
 # block's bf16 gradient at a time, measured on one H100 (docs/planning.md); the plan must meet them within 5%.
 TWO_MICRO_BATCHES = [  # (config, overrides, kind, GiB per GPU, tokens/s per GPU), measured (docs/planning.md)
