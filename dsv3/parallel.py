@@ -121,11 +121,12 @@ def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, red
             if expert_mesh.device_type == "cpu":
                 block.ffn.experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=meshes.dense, mp_policy=mp, ignored_params=ignored)
-        # A block checkpointed and compiled inside (apply_compile) runs FSDP's hooks outside the compiled code. Dynamo
-        # would still trace the modules FSDP manages as such, their int attributes (heads, head dims) as symbolic sizes
-        # under dynamic=True: its attention kernels would compile dynamic (slower). Traced as plain modules, they stay
-        # constants. (The routed experts' own FSDP unit, where there is one, is left as it is.)
-        for module in getattr(block, "_checkpoint_wrapped_module", nn.Module()).modules():
+        # A checkpointed MoE block compiles inside its checkpoint (apply_compile), FSDP's hooks outside the compiled
+        # code. Dynamo would still trace the modules FSDP manages as such, their int attributes (heads, head dims) as
+        # symbolic sizes under dynamic=True: attention's kernels would compile dynamic (slower). Traced as plain
+        # modules, they stay constants. (The routed experts' own FSDP unit, where there is one, is left as it is.)
+        inner = getattr(block, "_checkpoint_wrapped_module", None)
+        for module in inner.modules() if inner is not None and isinstance(block.ffn, MoE) else ():
             if not isinstance(module, FSDPModule):
                 module.__dict__.pop("_is_fsdp_managed_module", None)
     fully_shard(model, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=False,
