@@ -203,11 +203,11 @@ def apply_compile(model: Transformer, backend: str | Callable = "inductor") -> N
     dynamo runs a traced checkpoint with a graph break in it eagerly, whole. Inside, a recompile between a
     block's forward and its recompute (for the MTP block's shorter sequence, a new received-token count under EP)
     would make the recompute run another graph than the forward's, which selective AC rejects: where shapes
-    change within a step, shapes are dynamic from the first compile. Only there, and only past the block's inputs:
-    dynamic kernels are slower (a 16B step on one H100, selective AC: 9%; docs/log.md), and the block's input, RoPE
-    tables included, has one shape per block (the MTP block's is another, a static graph of its own), so attention,
-    the norms and the router compile static (with apply_fsdp's help); what the exchange returns stays dynamic.
-    Call after `apply_expert_parallel`."""
+    change within a step, shapes are dynamic from the first compile. Only there, and only after the first graph
+    break: dynamic kernels are slower (the whole MoE block dynamic cost 9% of a 16B-cut step on one H100, selective
+    AC; docs/log.md), and the block's input, RoPE tables included, has one shape per block (the MTP block's is
+    another, a static graph of its own), so the graph up to the exchange (attention, the norms, the router) compiles
+    static, with apply_fsdp's help; everything after it stays dynamic. Call after `apply_expert_parallel`."""
     # only the local dispatcher hands the experts the same number of rows every time
     shapes_change = len(model.mtp) > 0 or any(not isinstance(m.dispatcher, LocalDispatcher) for m in moe_layers(model))
     for block in model.blocks():
@@ -221,8 +221,12 @@ def apply_compile(model: Transformer, backend: str | Callable = "inductor") -> N
 
 
 def _static_inputs(module: nn.Module, args: tuple) -> None:
+    """Mark the tensors handed to a block (by FSDP's hook, which runs first) static, over the dims a compiled graph
+    marked dynamic on its outputs (the previous block's, outside autograd: evaluation), which would win."""
     for arg in args:
         if isinstance(arg, torch.Tensor):
+            for inherited in ("_dynamo_weak_dynamic_indices", "_dynamo_propagated_dynamic_indices"):
+                arg.__dict__.pop(inherited, None)
             torch._dynamo.mark_static(arg)
 
 

@@ -91,17 +91,27 @@ FIT_FRACTION = 0.95  # the plan must stay under this share of the GPU's memory
 
 def _exchange_kept_per_token(mc: ModelConfig, ep: int, backend: str) -> float:
     """bf16 elements per token that selective AC keeps of a MoE layer's two exchanges (`parallel._EXCHANGE_OPS`).
-    all_to_all receives each of a token's K copies and returns them; DeepEP sends a token once to every rank that
-    holds one of its experts (under a balanced router, ep · P(one of its K experts is on a given rank) ranks) and
-    returns one combined row."""
+    all_to_all receives the copies routed to this rank's experts (T·K, with headroom) and gets its own T·K back;
+    DeepEP sends a token once to every rank that holds one of its experts and returns one combined row."""
     d, K = mc.dim, mc.n_activated_experts
     if ep == 1:
         return 0.0
     if backend == "deepep":
-        E = mc.n_routed_experts
-        missed = math.comb(E - E // ep, K) / math.comb(E, K)  # no expert of a token on a given rank
-        return (ep * (1 - missed) * EP_HEADROOM + 1) * d
-    return 2 * K * EP_HEADROOM * d
+        return (ep * (1 - _rank_missed(mc, ep)) * EP_HEADROOM + 1) * d
+    return (K * EP_HEADROOM + K) * d
+
+
+def _rank_missed(mc: ModelConfig, ep: int) -> float:
+    """The chance that none of a token's K experts is on a given EP rank, the K a uniform random choice among the
+    experts of the router's groups (uniform too: `n_limited_groups` of `n_expert_groups`). A rank holds whole groups
+    when ep divides the group count; otherwise groups are not modelled."""
+    E, K, G, M = mc.n_routed_experts, mc.n_activated_experts, mc.n_expert_groups, mc.n_limited_groups
+    if G <= 1 or G % ep:
+        return math.comb(E - E // ep, K) / math.comb(E, K)
+    g, per_group = G // ep, E // G  # groups per rank, experts per group
+    # j of the rank's g groups among the M chosen: none of the K experts (among M·per_group) in those j groups
+    return sum(math.comb(g, j) * math.comb(G - g, M - j) / math.comb(G, M)
+               * math.comb((M - j) * per_group, K) / math.comb(M * per_group, K) for j in range(min(g, M) + 1))
 
 
 def _saved_per_token(mc: ModelConfig, moe: bool, ep: int, backend: str = "all_to_all") -> dict[str, float]:
@@ -512,7 +522,8 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
         "all-to-all is never hidden (it waits for its split sizes)",
         "one GPU, several micro-batches: each bf16 gradient is folded into an fp32 accumulator as soon as autograd "
         "writes it",
-        f"EP receive buffers: a balanced router's T·K copies × {EP_HEADROOM} headroom",
+        f"EP receive buffers: a balanced router's T·K copies (all_to_all), or each token once per rank it reaches "
+        f"(DeepEP), × {EP_HEADROOM} headroom",
         "bf16 GEMMs: fp8/mxfp8, faster, are not modelled; DeepEP's exchange takes all_to_all's time (the 16B cut at EP 4: "
         "measured within 2% of each other), its kept buffers their own size",
     ]
