@@ -5,7 +5,8 @@ Warm-up steps (compile, allocator), then timed steps on random tokens at train.p
 MFU, peak memory; then a few steps timed block by block: each transformer layer's forward + backward time and MFU,
 dense and MoE, without the embedding, head, loss and optimizer (what a layer costs in a model of any depth, the
 61-layer one included); then, after a warm-up step, a few profiled steps whose CUDA kernel time is split by phase from
-kernel names, with the GPU's idle time, the exposed communication and the host's waits. At ep > 1 it prints each EP
+kernel names, with the GPU's idle time and the exposed communication; then as many again with the CPU recorded too,
+for the host's busy time and waits. At ep > 1 it prints each EP
 rank's share of the routed tokens: at a constant full lr from step 1, random tokens collapse the routing within a few
 steps (one rank got every token), which is not a throughput anyone trains at: `--balanced-routing` measures what a
 balanced router gives (train.py on real data, where the bias balancing works, measures natural routing).
@@ -192,6 +193,21 @@ def profiled_times(events, kernels, steps: int) -> dict[str, float]:
             "host_sync_wait": waits / 1e3 / steps, "host_busy": (host_span - waits) / 1e3 / steps}
 
 
+def profile_steps(step, steps: int, activities: list, device: torch.device, trace: str | None = None) -> list:
+    """The profiler's events of `steps` calls of `step` (i → None), after one warm-up call that it does not record
+    (its own start-up, and a late peer, stay out of the figures); `trace`: a Chrome trace of them written there."""
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1)
+    with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
+        for i in range(1 + steps):
+            step(i + 1)
+            if i == steps:
+                _synchronize(device)
+            prof.step()
+    if trace:
+        prof.export_chrome_trace(trace)
+    return list(prof.events())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
@@ -270,17 +286,13 @@ def main() -> None:
         result["layer"] = layer_times(model, step, args.layer_steps, device, local_batch * t.seq_len, t.seq_len, peak)
 
     if args.profile_steps and device.type == "cuda":
-        # one warm-up step first: the profiler's own start-up (and a late peer) stays out of the figures
-        schedule = torch.profiler.schedule(wait=0, warmup=1, active=args.profile_steps, repeat=1)
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
-            for i in range(1 + args.profile_steps):
-                step(i + 1)
-                if i == args.profile_steps:
-                    _synchronize(device)
-                prof.step()
-        kernels = [e for e in prof.events()  # with CPU activity on, user annotations show on the GPU too
-                   if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
+        # The kernels from a pass that records only the GPU's activity: recording every CPU op slows the host about
+        # 2× (busy 1.3-1.6 s in an 0.9 s step of the full 16B at EP 4), ranks then wait for each other in the
+        # exchange, and idle and exposed communication grow far beyond the timed steps'. The host's figures from a
+        # second pass, which records the CPU too (and which --trace writes).
+        cuda = torch.profiler.ProfilerActivity.CUDA
+        events = profile_steps(step, args.profile_steps, [cuda], device)
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
         ms: dict[str, float] = defaultdict(float)  # kernel name → ms per step
         for event in kernels:
             ms[event.name] += event.device_time_total / 1e3 / args.profile_steps
@@ -295,9 +307,15 @@ def main() -> None:
         per_phase["timed − kernels"] = max(1e3 * step_s - busy, 0.0)
         result["phase_ms"] = dict(sorted(per_phase.items(), key=lambda kv: -kv[1]))
         result["top_kernels_ms"] = [[ms[key], key[:100]] for key in list(ms)[:15]]  # names may share 100 chars
-        result["profiled_ms"] = profiled_times(prof.events(), kernels, args.profile_steps)
-        if args.trace and rank == 0:
-            prof.export_chrome_trace(args.trace)
+        gpu_times = profiled_times(events, kernels, args.profile_steps)
+        cpu = torch.profiler.ProfilerActivity.CPU
+        trace = args.trace if rank == 0 else None
+        events = profile_steps(step, args.profile_steps, [cpu, cuda], device, trace)
+        host_kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        host_times = profiled_times(events, host_kernels, args.profile_steps)
+        result["profiled_ms"] = {"gpu_idle": gpu_times["gpu_idle"],
+                                 "exposed_communication": gpu_times["exposed_communication"],
+                                 "host_sync_wait": host_times["host_sync_wait"], "host_busy": host_times["host_busy"]}
         if args.kernels and rank == 0:
             with open(args.kernels, "w") as f:
                 f.writelines(f"{t:.3f}\t{phase_of(key)}\t{key}\n" for key, t in ms.items())
@@ -326,8 +344,8 @@ def main() -> None:
             if "profiled_ms" in result:
                 times = result["profiled_ms"]
                 print(f"  profiled step: GPU idle {times['gpu_idle']:.1f} ms, exposed communication "
-                      f"{times['exposed_communication']:.1f} ms; host busy {times['host_busy']:.1f} ms, waiting in "
-                      f"CUDA syncs {times['host_sync_wait']:.1f} ms")
+                      f"{times['exposed_communication']:.1f} ms; host (under the CPU profiler, slower) busy "
+                      f"{times['host_busy']:.1f} ms, waiting in CUDA syncs {times['host_sync_wait']:.1f} ms")
             for phase, ms in result.get("phase_ms", {}).items():
                 print(f"  {phase:<24} {ms:8.1f} ms  {100 * ms / result['step_ms']:5.1f}%")
             for ms, kernel in result.get("top_kernels_ms", []):

@@ -180,3 +180,16 @@ def test_profiled_times_split_idle_exposed_communication_and_host_waits():
     events = kernels + [event("cudaStreamSynchronize", 1, 3, cpu), event("aten::mm", 0, 1, cpu)]
     times = bench.profiled_times(events, kernels, steps=2)
     assert times == {"gpu_idle": 0.5, "exposed_communication": 1.0, "host_sync_wait": 1.0, "host_busy": 0.5}
+
+
+def test_profile_steps_records_the_steps_after_one_warm_up_call():
+    calls = []
+
+    def step(i):
+        calls.append(i)
+        with torch.profiler.record_function(f"bench step {i}"):
+            torch.ones(8).sum()
+
+    events = bench.profile_steps(step, 2, [torch.profiler.ProfilerActivity.CPU], torch.device("cpu"))
+    recorded = sorted(e.name for e in events if e.name.startswith("bench step"))
+    assert calls == [1, 2, 3] and recorded == ["bench step 2", "bench step 3"]
