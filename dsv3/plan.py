@@ -524,8 +524,8 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
         "writes it",
         f"EP receive buffers: a balanced router's T·K copies (all_to_all), or each token once per rank it reaches "
         f"(DeepEP), × {EP_HEADROOM} headroom",
-        "bf16 GEMMs: fp8/mxfp8, faster, are not modelled; DeepEP's exchange takes all_to_all's time (the 16B cut at EP 4: "
-        "measured within 2% of each other), its kept buffers their own size",
+        "bf16 GEMMs: fp8/mxfp8, faster, are not modelled; DeepEP's exchange takes all_to_all's time (the 16B cut "
+        "at EP 4: measured within 2% of each other), its kept buffers their own size",
     ]
     if not t.compile:  # the activation terms were measured on compiled blocks, which recompute more under AC
         assumptions.append("train.compile is off: eager blocks save more for backward than this plan counts "
