@@ -177,20 +177,24 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def profiled_times(events, kernels, steps: int) -> dict[str, float]:
-    """Per profiled step, in ms: the GPU's idle time (no kernel on any stream), the exposed communication (time in
-    which only exchange and collective kernels ran: nothing hid them), the host's waits for the GPU (CUDA syncs;
-    DeepEP's wait for its receive counts is a spin inside its dispatch, not counted here) and the rest of the host's
-    time from its first op to its last: busy."""
+def gpu_times(kernels, steps: int) -> dict[str, float]:
+    """Per profiled step, in ms: the GPU's idle time (no kernel on any stream) and the exposed communication (time in
+    which only exchange and collective kernels ran: nothing hid them)."""
     spans = [(e.time_range.start, e.time_range.end) for e in kernels]
     compute = [(e.time_range.start, e.time_range.end) for e in kernels if phase_of(e.name) != "communication"]
     span = max(end for _, end in spans) - min(start for start, _ in spans) if spans else 0.0
     union = _union_us(spans)
+    exposed = union - _union_us(compute)
+    return {"gpu_idle": (span - union) / 1e3 / steps, "exposed_communication": exposed / 1e3 / steps}
+
+
+def host_times(events, steps: int) -> dict[str, float]:
+    """Per profiled step, in ms: the host's waits for the GPU (CUDA syncs; DeepEP's wait for its receive counts is a
+    spin inside its dispatch, not counted here) and the rest of the host's time from its first op to its last: busy."""
     host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     waits = sum(e.time_range.end - e.time_range.start for e in host if e.name in HOST_WAITS)
     host_span = max(e.time_range.end for e in host) - min(e.time_range.start for e in host) if host else 0.0
-    return {"gpu_idle": (span - union) / 1e3 / steps, "exposed_communication": (union - _union_us(compute)) / 1e3 / steps,
-            "host_sync_wait": waits / 1e3 / steps, "host_busy": (host_span - waits) / 1e3 / steps}
+    return {"host_sync_wait": waits / 1e3 / steps, "host_busy": (host_span - waits) / 1e3 / steps}
 
 
 def profile_steps(step, steps: int, activities: list, device: torch.device, trace: str | None = None) -> list:
@@ -307,15 +311,10 @@ def main() -> None:
         per_phase["timed − kernels"] = max(1e3 * step_s - busy, 0.0)
         result["phase_ms"] = dict(sorted(per_phase.items(), key=lambda kv: -kv[1]))
         result["top_kernels_ms"] = [[ms[key], key[:100]] for key in list(ms)[:15]]  # names may share 100 chars
-        gpu_times = profiled_times(events, kernels, args.profile_steps)
         cpu = torch.profiler.ProfilerActivity.CPU
         trace = args.trace if rank == 0 else None
-        events = profile_steps(step, args.profile_steps, [cpu, cuda], device, trace)
-        host_kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-        host_times = profiled_times(events, host_kernels, args.profile_steps)
-        result["profiled_ms"] = {"gpu_idle": gpu_times["gpu_idle"],
-                                 "exposed_communication": gpu_times["exposed_communication"],
-                                 "host_sync_wait": host_times["host_sync_wait"], "host_busy": host_times["host_busy"]}
+        host_events = profile_steps(step, args.profile_steps, [cpu, cuda], device, trace)
+        result["profiled_ms"] = gpu_times(kernels, args.profile_steps) | host_times(host_events, args.profile_steps)
         if args.kernels and rank == 0:
             with open(args.kernels, "w") as f:
                 f.writelines(f"{t:.3f}\t{phase_of(key)}\t{key}\n" for key, t in ms.items())
