@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dsv3.config import ModelConfig
-from dsv3.hashing import STRIDE, mix32
+from dsv3.hashing import random_bits
 from dsv3.token_copies import LocalDispatcher, TokenCopies
 
 
@@ -70,8 +70,8 @@ def uniform_topk(seed: torch.Tensor, n_tokens: int, n_experts: int, topk: int) -
     """[T, K] expert ids, each token's a uniform random K-subset: the K largest of E random keys, a hash of (seed,
     token, expert). What balanced routing looks like to the exchange and the experts (every expert and EP rank gets
     its share, a token fans out over ranks as a learned router's would); a recompute routes as the forward did."""
-    slot = torch.arange(n_tokens * n_experts, device=seed.device).view(n_tokens, n_experts)
-    return mix32((slot * STRIDE + seed).int()).topk(topk, dim=-1).indices
+    keys = random_bits(torch.empty(n_tokens, n_experts, device=seed.device), seed)  # [T, E]
+    return keys.topk(topk, dim=-1).indices
 
 
 class GroupedExperts(nn.Module):
