@@ -6,8 +6,9 @@
 
 An export (train.py's, or convert_hf.py --to-dsv3's) holds config.json, the weights and the tokenizer. A checkpoint
 records its run's model and data (train.json), whose tokenizer is used; one written before it did needs the run's own
---config and overrides. The prompt is encoded as the data was (BOS first where the tokenizer adds one); generation stops at EOS or
-after --max-tokens. --temperature 0 is greedy. On CUDA the weights compute in bf16, as in training; on CPU in fp32.
+--config and overrides. The prompt is encoded as the data was (BOS first where the tokenizer adds one); generation
+stops at EOS or after --max-tokens. --temperature 0 is greedy. On CUDA the weights compute in bf16, as in training;
+on CPU in fp32.
 
 No KV cache: every new token re-runs the whole forward over the context (at most model.max_seq_len tokens, the
 newest kept). dsv3.model's MLA is the training form, which expands the latent into per-head keys and values; a
@@ -56,9 +57,11 @@ def generate(model: Transformer, ids: list[int], max_tokens: int, temperature: f
 
 def load_model(path: Path, config: str | None, overrides: list[str],
                device: torch.device) -> tuple[Transformer, Tokenizer | None]:
-    """The model of an export (config.json beside the weights) or of a checkpoint (the one its train.json records, or
-    `config` and `overrides`: the run's), and the tokenizer that travelled with it: the export's, or the run's data's."""
-    if (path / "config.json").is_file():
+    """The model of an export (config.json beside the weights) or of a checkpoint (the one its train.json records,
+    or `config` and `overrides`: the run's), and the tokenizer that travelled with it: the export's, or the run's
+    data's."""
+    exported = (path / "config.json").is_file()
+    if exported:
         cfg, tokenizer = saved_model_config(path), find_tokenizer(path)
     elif not (path / ".metadata").is_file():
         raise UserError(f"{path} is neither an export (config.json + safetensors) nor a checkpoint (step-N/): "
@@ -74,7 +77,7 @@ def load_model(path: Path, config: str | None, overrides: list[str],
         run = load_config(config, overrides)
         cfg, tokenizer = run.model_config(), data_tokenizer(run.data.mixture())
     model = Transformer(cfg).eval()
-    if (path / "config.json").is_file():
+    if exported:
         export.load_weights(path, model)
     else:
         problem = checkpoint.verify(path)
