@@ -121,14 +121,6 @@ def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, red
             if expert_mesh.device_type == "cpu":
                 block.ffn.experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=meshes.dense, mp_policy=mp, ignored_params=ignored)
-        # A checkpointed MoE block compiles inside its checkpoint (apply_compile), FSDP's hooks outside the compiled
-        # code. Dynamo would still trace the modules FSDP manages as such, their int attributes (heads, head dims) as
-        # symbolic sizes under dynamic=True: attention's kernels would compile dynamic (slower). Traced as plain
-        # modules, they stay constants. (The routed experts' own FSDP unit, where there is one, is left as it is.)
-        inner = getattr(block, "_checkpoint_wrapped_module", None)
-        for module in inner.modules() if inner is not None and isinstance(block.ffn, MoE) else ():
-            if not isinstance(module, FSDPModule):
-                module.__dict__.pop("_is_fsdp_managed_module", None)
     fully_shard(model, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=False,
                 ignored_params=set(unsharded) or None)
     if ep > 1:
@@ -203,31 +195,16 @@ def apply_compile(model: Transformer, backend: str | Callable = "inductor") -> N
     dynamo runs a traced checkpoint with a graph break in it eagerly, whole. Inside, a recompile between a
     block's forward and its recompute (for the MTP block's shorter sequence, a new received-token count under EP)
     would make the recompute run another graph than the forward's, which selective AC rejects: where shapes
-    change within a step, shapes are dynamic from the first compile. Only there, and only after the first graph
-    break: dynamic kernels are slower (the whole MoE block dynamic cost 9% of a 16B-cut step on one H100, selective
-    AC; docs/log.md), and the block's input, RoPE tables included, has one shape per block (the MTP block's is
-    another, a static graph of its own), so the graph up to the exchange (attention, the norms, the router) compiles
-    static, with apply_fsdp's help; everything after it stays dynamic. Call after `apply_expert_parallel`."""
+    change within a step, shapes are dynamic from the first compile. Only there: dynamic kernels slow a 16B step
+    on one H100 (selective AC; docs/log.md). Call after `apply_expert_parallel`."""
     # only the local dispatcher hands the experts the same number of rows every time
     shapes_change = len(model.mtp) > 0 or any(not isinstance(m.dispatcher, LocalDispatcher) for m in moe_layers(model))
     for block in model.blocks():
         inner = getattr(block, "_checkpoint_wrapped_module", None)
         if inner is not None and isinstance(inner.ffn, MoE):
             inner.compile(backend=backend, dynamic=True if shapes_change else None)
-            if shapes_change:
-                block.register_forward_pre_hook(_static_inputs)  # on the checkpoint wrapper, outside compile
         else:
             block.compile(backend=backend)
-
-
-def _static_inputs(module: nn.Module, args: tuple) -> None:
-    """Mark the tensors handed to a block (by FSDP's hook, which runs first) static, over the dims a compiled graph
-    marked dynamic on its outputs (the previous block's, outside autograd: evaluation), which would win."""
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            for inherited in ("_dynamo_weak_dynamic_indices", "_dynamo_propagated_dynamic_indices"):
-                arg.__dict__.pop(inherited, None)
-            torch._dynamo.mark_static(arg)
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
