@@ -184,7 +184,7 @@ def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
             parallel.apply_expert_parallel(model, meshes, cfg.parallel.ep_backend, cfg.parallel.deepep_sms)
     parallel.apply_activation_checkpointing(model, t.activation_checkpoint)
     if t.compile:
-        parallel.apply_compile(model)
+        parallel.apply_compile(model, world)
     param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # plain fp32 on CPU
     unsharded = parallel.apply_fsdp(model, meshes, param_dtype, torch.float32, cfg.parallel.ep) if world > 1 else []
     if device.type == "cuda":

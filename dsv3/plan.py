@@ -114,8 +114,10 @@ def _rank_missed(mc: ModelConfig, ep: int) -> float:
                * math.comb((M - j) * per_group, K) / math.comb(M * per_group, K) for j in range(min(g, M) + 1))
 
 
-def _saved_per_token(mc: ModelConfig, moe: bool, ep: int, backend: str = "all_to_all") -> dict[str, float]:
-    """bf16 elements one block saves for backward per token, by AC mode (fp32 tensors count twice)."""
+def _saved_per_token(mc: ModelConfig, moe: bool, ep: int, backend: str = "all_to_all",
+                     one_rank: bool = False) -> dict[str, float]:
+    """bf16 elements one block saves for backward per token, by AC mode (fp32 tensors count twice); `one_rank`: a
+    MoE block traces as one graph (parallel.apply_compile)."""
     d, H, K, I = mc.dim, mc.n_heads, mc.n_activated_experts, mc.moe_inter_dim
     q = H * mc.qk_head_dim
     kv = (mc.kv_lora_rank + mc.qk_rope_head_dim) + mc.kv_lora_rank + H * (mc.qk_nope_head_dim + mc.v_head_dim)
@@ -134,9 +136,11 @@ def _saved_per_token(mc: ModelConfig, moe: bool, ep: int, backend: str = "all_to
     # (under EP the received copies replace the local ones: backward needs no exchange input)
     copy = 2 * d + 3 * I
     token_side = d + 4 * mc.n_routed_experts + 3 * mc.n_shared_experts * I + d  # normed, fp32 scores, shared, out
-    # inside a compiled MoE block SAC keeps grouped GEMM, SDPA and exchange outputs (parallel._selective_policy)
-    return {"none": attention + token_side + copies * copy,
-            "selective": d + sdpa_out + copies * (2 * I + d) + _exchange_kept_per_token(mc, ep, backend), "full": d}
+    # inside a compiled MoE block SAC keeps grouped GEMM, SDPA and exchange outputs (parallel._selective_policy);
+    # compiled around it (one rank), every GEMM output as in a dense block: the router's and the shared experts' too
+    selective = (d + attention_gemms + mc.n_routed_experts + 2 * mc.n_shared_experts * I + d if one_rank
+                 else d + sdpa_out + _exchange_kept_per_token(mc, ep, backend))
+    return {"none": attention + token_side + copies * copy, "selective": selective + copies * (2 * I + d), "full": d}
 
 
 @dataclass(frozen=True)
@@ -299,7 +303,7 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
     mode = t.activation_checkpoint
     for b in range(n):
         moe = b >= mc.n_dense_layers
-        saved, saved_local = _saved_per_token(mc, moe, ep, p.ep_backend), _saved_per_token(mc, moe, 1)
+        saved, saved_local = (_saved_per_token(mc, moe, e, p.ep_backend, gpus == 1) for e in (ep, 1))
         kept, kept_local = (ACTIVATION_FACTOR * 2 * T * s[mode] for s in (saved, saved_local))
         recomputed = ACTIVATION_FACTOR * 2 * T * saved["none"] - kept
         line = "activations" if b < tl.n_layers else "mtp"
@@ -362,9 +366,10 @@ def _step_time(cfg: Config, gpus: int, kind: GPU, micro_batches: int) -> dict[st
         attention_s = attention_flops / (kind.attention_tflops * 1e12)
         activation_s = activation_bytes / (OTHER_HBM_EFFICIENCY * hbm)
         casts_s = 14 * (block_dense + block_experts / ep) / (FSDP_CAST_HBM_EFFICIENCY * hbm) if gpus > 1 else 0.0
-        # recompute is a forward (a third of forward + backward) of what the mode drops: selective AC in a compiled
-        # MoE block recomputes its dense GEMMs (parallel._selective_policy), full AC the whole block
-        recompute = {"none": 0.0, "selective": ((dense_s if moe else 0.0) + activation_s) / 3,
+        # recompute is a forward (a third of forward + backward) of what the mode drops: selective AC in a MoE block
+        # compiled inside its checkpoint (not on one rank) recomputes its dense GEMMs (parallel.apply_compile), full AC
+        # the whole block
+        recompute = {"none": 0.0, "selective": ((dense_s if moe and gpus > 1 else 0.0) + activation_s) / 3,
                      "full": (dense_s + expert_s + attention_s + activation_s) / 3}[t.activation_checkpoint]
         for item, s in zip(items, (dense_s, expert_s, attention_s, activation_s + casts_s, recompute)):
             items[item].append(s)

@@ -97,7 +97,7 @@ def _parallelize(model: Transformer, world: int, ep: int, ac: str = "none", para
         parallel.apply_expert_parallel(model, meshes)
     parallel.apply_activation_checkpointing(model, ac)
     if compile_backend is not None:
-        parallel.apply_compile(model, backend=compile_backend)
+        parallel.apply_compile(model, world, backend=compile_backend)
     unsharded = parallel.apply_fsdp(model, meshes, param_dtype, torch.float32, ep)
     if unsharded:  # as train.build_model does
         model.compute_copies = optim.ComputeCopies(model, param_dtype, params=unsharded, grad_divisor=world)
@@ -313,6 +313,57 @@ def test_compile_reaches_checkpointed_moe_blocks(ac, ep, world, tmp_path):
     torch.testing.assert_close(got[True]["loss"], got[False]["loss"], rtol=1e-3, atol=1e-3)
     for name, grad in got[False]["grads"].items():
         torch.testing.assert_close(got[True]["grads"][name], grad, rtol=2e-2, atol=1e-3, msg=name)
+
+
+def _graph_runs(world: int) -> tuple[list, dict]:
+    """A selective-AC model compiled as `apply_compile` does for `world` ranks (aot_eager): the compiled graphs run in
+    order (a MoE block's forward graph: "moe forward"), with "backward" where backward starts; and the gradients."""
+    runs = []
+
+    def compiler(kind: str):
+        def compile_graph(gm, _):
+            moe = any(n.target == torch.ops.aten._grouped_mm.default for n in gm.graph.nodes)
+            graph = make_boxed_func(gm)
+
+            def run(args):
+                runs.append(f"{'moe' if moe else 'dense'} {kind}")
+                return graph(args)
+            run._boxed_call = True
+            return run
+        return compile_graph
+
+    torch.manual_seed(0)
+    model = Transformer(replace(CFG, n_mtp_layers=0)).to(torch.bfloat16)  # bf16: the grouped GEMM traces in bf16 only
+    parallel.apply_activation_checkpointing(model, "selective")
+    parallel.apply_compile(model, world, backend=aot_autograd(fw_compiler=compiler("forward"),
+                                                              bw_compiler=compiler("backward")))
+    batch = _batches()[0]
+    out = model(batch[:, :-1], batch[:, 1:])
+    runs.append("backward")
+    (out.loss + out.balance_loss).backward()
+    return runs, {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_one_rank_compiles_checkpointed_moe_blocks_around_their_checkpoint():
+    """On one rank a MoE block traces as one graph: compiled around its checkpoint, its recompute is part of the
+    compiled backward, where AOTAutograd keeps what the SAC policy keeps (inductor's dense GEMMs included). Compiled
+    inside it (where the graph breaks: under EP, or the experts' FSDP hooks), backward runs the forward graph again."""
+    torch._dynamo.reset()
+    one_rank, grads = _graph_runs(1)
+    torch._dynamo.reset()
+    two_ranks, _ = _graph_runs(2)
+    moe_blocks = sum(isinstance(b.ffn, MoE) for b in Transformer(replace(CFG, n_mtp_layers=0)).blocks())
+    in_backward = [run for run in one_rank[one_rank.index("backward"):] if run == "moe forward"]
+    assert in_backward == [] and one_rank.count("moe backward") == moe_blocks, one_rank
+    assert two_ranks[two_ranks.index("backward"):].count("moe forward") == moe_blocks, two_ranks
+    torch.manual_seed(0)
+    eager = Transformer(replace(CFG, n_mtp_layers=0)).to(torch.bfloat16)
+    parallel.apply_activation_checkpointing(eager, "selective")
+    batch = _batches()[0]
+    out = eager(batch[:, :-1], batch[:, 1:])
+    (out.loss + out.balance_loss).backward()
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=2e-2, atol=1e-3, msg=name)
 
 
 class _CountExchanges(TorchDispatchMode):
