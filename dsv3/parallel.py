@@ -191,20 +191,20 @@ def apply_compile(model: Transformer, world: int, backend: str | Callable = "ind
     """torch.compile each block in place (module names, hence checkpoints, are unchanged).
 
     A checkpointed block is compiled around its checkpoint when it traces as one graph: dense blocks, and MoE blocks
-    on one rank without EP (`world` 1, the local dispatcher). AOTAutograd then recomputes what the SAC policy lets
-    it and keeps the GEMM outputs. Elsewhere a MoE block's graph breaks (at EP's exchange, at its experts' FSDP hooks)
-    and dynamo would run a traced checkpoint with a graph break in it eagerly, whole: it is compiled inside its
-    checkpoint, where SAC cannot keep inductor's dense GEMM outputs (`_SAVE_OPS`). Inside, a recompile between a
+    on one rank without EP or MTP (`world` 1, the local dispatcher; the MTP block's shorter sequence made inductor's
+    partitioner fail on an H200, torch 2.11). AOTAutograd then recomputes what the SAC policy lets it and keeps the
+    GEMM outputs. Elsewhere a MoE block's graph breaks (at EP's exchange, at its experts' FSDP hooks), and dynamo
+    would run a traced checkpoint with a graph break in it eagerly, whole; or its shapes change: it is compiled inside
+    its checkpoint, where SAC cannot keep inductor's dense GEMM outputs (`_SAVE_OPS`). Inside, a recompile between a
     block's forward and its recompute (for the MTP block's shorter sequence, a new received-token count under EP)
     would make the recompute run another graph than the forward's, which selective AC rejects: where shapes
     change within a step, shapes are dynamic from the first compile. Only there: dynamic kernels slow a 16B step
     on one H100 (selective AC; docs/log.md). Call after `apply_expert_parallel`."""
-    local = all(isinstance(m.dispatcher, LocalDispatcher) for m in moe_layers(model))
     # only the local dispatcher hands the experts the same number of rows every time
-    shapes_change = len(model.mtp) > 0 or not local
+    shapes_change = len(model.mtp) > 0 or any(not isinstance(m.dispatcher, LocalDispatcher) for m in moe_layers(model))
     for block in model.blocks():
         inner = getattr(block, "_checkpoint_wrapped_module", None)
-        if inner is not None and isinstance(inner.ffn, MoE) and not (world == 1 and local):
+        if inner is not None and isinstance(inner.ffn, MoE) and not (world == 1 and not shapes_change):
             inner.compile(backend=backend, dynamic=True if shapes_change else None)
         else:
             block.compile(backend=backend)

@@ -117,7 +117,7 @@ def _rank_missed(mc: ModelConfig, ep: int) -> float:
 def _saved_per_token(mc: ModelConfig, moe: bool, ep: int, backend: str = "all_to_all",
                      one_rank: bool = False) -> dict[str, float]:
     """bf16 elements one block saves for backward per token, by AC mode (fp32 tensors count twice); `one_rank`: a
-    MoE block traces as one graph (parallel.apply_compile)."""
+    MoE block compiles around its checkpoint (parallel.apply_compile)."""
     d, H, K, I = mc.dim, mc.n_heads, mc.n_activated_experts, mc.moe_inter_dim
     q = H * mc.qk_head_dim
     kv = (mc.kv_lora_rank + mc.qk_rope_head_dim) + mc.kv_lora_rank + H * (mc.qk_nope_head_dim + mc.v_head_dim)
@@ -303,7 +303,8 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
     mode = t.activation_checkpoint
     for b in range(n):
         moe = b >= mc.n_dense_layers
-        saved, saved_local = (_saved_per_token(mc, moe, e, p.ep_backend, gpus == 1) for e in (ep, 1))
+        one_rank = gpus == 1 and mc.n_mtp_layers == 0  # parallel.apply_compile
+        saved, saved_local = (_saved_per_token(mc, moe, e, p.ep_backend, one_rank) for e in (ep, 1))
         kept, kept_local = (ACTIVATION_FACTOR * 2 * T * s[mode] for s in (saved, saved_local))
         recomputed = ACTIVATION_FACTOR * 2 * T * saved["none"] - kept
         line = "activations" if b < tl.n_layers else "mtp"
@@ -367,9 +368,10 @@ def _step_time(cfg: Config, gpus: int, kind: GPU, micro_batches: int) -> dict[st
         activation_s = activation_bytes / (OTHER_HBM_EFFICIENCY * hbm)
         casts_s = 14 * (block_dense + block_experts / ep) / (FSDP_CAST_HBM_EFFICIENCY * hbm) if gpus > 1 else 0.0
         # recompute is a forward (a third of forward + backward) of what the mode drops: selective AC in a MoE block
-        # compiled inside its checkpoint (not on one rank) recomputes its dense GEMMs (parallel.apply_compile), full AC
-        # the whole block
-        recompute = {"none": 0.0, "selective": ((dense_s if moe and gpus > 1 else 0.0) + activation_s) / 3,
+        # compiled inside its checkpoint (all but on one rank without MTP: parallel.apply_compile) recomputes its dense
+        # GEMMs, full AC the whole block
+        inside = moe and not (gpus == 1 and mc.n_mtp_layers == 0)
+        recompute = {"none": 0.0, "selective": ((dense_s if inside else 0.0) + activation_s) / 3,
                      "full": (dense_s + expert_s + attention_s + activation_s) / 3}[t.activation_checkpoint]
         for item, s in zip(items, (dense_s, expert_s, attention_s, activation_s + casts_s, recompute)):
             items[item].append(s)

@@ -315,7 +315,7 @@ def test_compile_reaches_checkpointed_moe_blocks(ac, ep, world, tmp_path):
         torch.testing.assert_close(got[True]["grads"][name], grad, rtol=2e-2, atol=1e-3, msg=name)
 
 
-def _graph_runs(world: int) -> tuple[list, dict]:
+def _graph_runs(world: int, n_mtp_layers: int = 0) -> tuple[list, dict]:
     """A selective-AC model compiled as `apply_compile` does for `world` ranks (aot_eager): the compiled graphs run in
     order (a MoE block's forward graph: "moe forward"), with "backward" where backward starts; and the gradients."""
     runs = []
@@ -333,29 +333,35 @@ def _graph_runs(world: int) -> tuple[list, dict]:
         return compile_graph
 
     torch.manual_seed(0)
-    model = Transformer(replace(CFG, n_mtp_layers=0)).to(torch.bfloat16)  # bf16: the grouped GEMM traces in bf16 only
+    # bf16: the grouped GEMM traces in bf16 only
+    model = Transformer(replace(CFG, n_mtp_layers=n_mtp_layers)).to(torch.bfloat16)
     parallel.apply_activation_checkpointing(model, "selective")
     parallel.apply_compile(model, world, backend=aot_autograd(fw_compiler=compiler("forward"),
                                                               bw_compiler=compiler("backward")))
     batch = _batches()[0]
     out = model(batch[:, :-1], batch[:, 1:])
     runs.append("backward")
-    (out.loss + out.balance_loss).backward()
+    (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
     return runs, {n: p.grad for n, p in model.named_parameters()}
 
 
 def test_one_rank_compiles_checkpointed_moe_blocks_around_their_checkpoint():
-    """On one rank a MoE block traces as one graph: compiled around its checkpoint, its recompute is part of the
-    compiled backward, where AOTAutograd keeps what the SAC policy keeps (inductor's dense GEMMs included). Compiled
-    inside it (where the graph breaks: under EP, or the experts' FSDP hooks), backward runs the forward graph again."""
-    torch._dynamo.reset()
-    one_rank, grads = _graph_runs(1)
-    torch._dynamo.reset()
-    two_ranks, _ = _graph_runs(2)
+    """On one rank without MTP a MoE block traces as one graph: compiled around its checkpoint, its recompute is part
+    of the compiled backward, where AOTAutograd keeps what the SAC policy keeps (inductor's dense GEMMs included).
+    Compiled inside it (where the graph breaks: under EP, or the experts' FSDP hooks; or where shapes change: MTP),
+    backward runs the forward graph again."""
+    runs = {}
+    for world, mtp in ((1, 0), (2, 0), (1, 1)):
+        torch._dynamo.reset()
+        runs[world, mtp], grads = _graph_runs(world, mtp)
+        if (world, mtp) == (1, 0):
+            around_grads = grads
     moe_blocks = sum(isinstance(b.ffn, MoE) for b in Transformer(replace(CFG, n_mtp_layers=0)).blocks())
+    one_rank = runs[1, 0]
     in_backward = [run for run in one_rank[one_rank.index("backward"):] if run == "moe forward"]
     assert in_backward == [] and one_rank.count("moe backward") == moe_blocks, one_rank
-    assert two_ranks[two_ranks.index("backward"):].count("moe forward") == moe_blocks, two_ranks
+    for inside, blocks in ((runs[2, 0], moe_blocks), (runs[1, 1], moe_blocks + 1)):  # + the MTP block
+        assert inside[inside.index("backward"):].count("moe forward") == blocks, inside
     torch.manual_seed(0)
     eager = Transformer(replace(CFG, n_mtp_layers=0)).to(torch.bfloat16)
     parallel.apply_activation_checkpointing(eager, "selective")
@@ -363,7 +369,7 @@ def test_one_rank_compiles_checkpointed_moe_blocks_around_their_checkpoint():
     out = eager(batch[:, :-1], batch[:, 1:])
     (out.loss + out.balance_loss).backward()
     for name, p in eager.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=2e-2, atol=1e-3, msg=name)
+        torch.testing.assert_close(around_grads[name], p.grad, rtol=2e-2, atol=1e-3, msg=name)
 
 
 class _CountExchanges(TorchDispatchMode):
