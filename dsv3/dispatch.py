@@ -61,20 +61,35 @@ def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
     return torch.ops._c10d_functional.wait_tensor(out)
 
 
+# The differentiable exchanges, kept out of torch.compile: traced, the NCCL collective lost its backward (the routed
+# experts' gradients came out exactly zero on 2 H200s, torch 2.11); gloo was not affected. The split sizes travel as a
+# host tensor, not as Python ints: compiled code would guard on every int and recompile when they change.
 @torch.compiler.disable
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """The differentiable exchange, kept out of torch.compile: traced, the NCCL collective lost its backward
-    (the routed experts' gradients came out exactly zero on 2 H200s, torch 2.11); gloo was not affected."""
-    return _AllToAll.apply(x, out_splits, in_splits, group)
+def send_token_copies(send_x: torch.Tensor, splits: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """send_x [N, D] to the EP ranks, `splits` = [rows to each rank, rows from each rank] (2·ep, on the device) →
+    (the rows received [R, D], `splits` on the host). Its copy to the host is the one device→host sync of a MoE
+    layer. R changes from step to step: marked dynamic, it is symbolic in the compiled code that reads it."""
+    host = splits.cpu()
+    ep = host.numel() // 2
+    recv_x = _AllToAll.apply(send_x, host[ep:].tolist(), host[:ep].tolist(), group)
+    torch._dynamo.maybe_mark_dynamic(recv_x, 0)
+    return recv_x, host
+
+
+@torch.compiler.disable
+def return_token_copies(recv_y: torch.Tensor, host_splits: torch.Tensor, group) -> torch.Tensor:
+    """The rows `send_token_copies` received, back to the ranks that sent them (`host_splits`: what it returned)."""
+    ep = host_splits.numel() // 2
+    return _AllToAll.apply(recv_y, host_splits[:ep].tolist(), host_splits[ep:].tolist(), group)
 
 
 class AllToAllDispatcher:
     """Expert parallelism over `group`: rank r holds experts [r·E_local, (r+1)·E_local).
 
     route → counts per expert → exchange counts → exchange token copies (uneven splits) → sort by local
-    expert → grouped GEMM → the reverse. The split sizes must reach the host for all_to_all_single: that
-    `.tolist()` is the one device→host sync per MoE layer. `align` > 1 pads each local expert's group
-    (`pad_order`), without another sync.
+    expert → grouped GEMM → the reverse. The split sizes must reach the host for all_to_all_single: that copy is
+    the one device→host sync per MoE layer. `align` > 1 pads each local expert's group (`pad_order`), without
+    another sync.
     """
 
     def __init__(self, group: dist.ProcessGroup, n_experts: int, align: int = 1):
@@ -86,30 +101,30 @@ class AllToAllDispatcher:
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  tokens_per_expert: torch.Tensor) -> tuple[TokenCopies, torch.Tensor, Any]:
         order = topk_idx.flatten().argsort(stable=True)  # by expert, hence by destination rank
-        send_x = x[order // topk_idx.size(1)]
+        send_x = gather_token_copies(x, order, topk_idx.size(1))
         # received[src, e]: copies rank src sends to our local expert e
         even = [self.n_local] * self.ep
         received = exchange(tokens_per_expert, even, even, self.group).view(self.ep, self.n_local)
         splits = torch.cat([tokens_per_expert.view(self.ep, self.n_local).sum(1), received.sum(1)])
-        splits = splits.tolist()  # the one device→host sync of this layer
-        send_splits, recv_splits = splits[:self.ep], splits[self.ep:]
-        recv_x = all_to_all(send_x, recv_splits, send_splits, self.group)  # [src][local expert] order
+        recv_x, host_splits = send_token_copies(send_x, splits, self.group)  # [src][local expert] order
+        n_received = recv_x.size(0)
         local_expert = torch.arange(self.n_local, device=x.device).repeat(self.ep)
-        expert_of_row = local_expert.repeat_interleave(received.flatten(), output_size=recv_x.size(0))
+        expert_of_row = local_expert.repeat_interleave(received.flatten(), output_size=n_received)
         local_order = expert_of_row.argsort(stable=True)  # → [local expert][src] order
         tokens_per_local_expert = received.sum(0)
         # N varies by step: few buffer sizes (bucket); none received: zero rows for every expert
-        if pads_groups(self.align, x.device) or not recv_x.size(0):
+        if pads_groups(self.align, x.device) or not n_received:
             local_order, tokens_per_local_expert = pad_order(local_order, expert_of_row[local_order],
                                                              tokens_per_local_expert, self.align, bucket=True)
+        # back to the order received, after the experts: each received row gathers its buffer row
+        row_of_received = row_of_slot(local_order, n_received)
         return (TokenCopies(recv_x, local_order, 1), tokens_per_local_expert,
-                (order, topk_weights, local_order, send_splits, recv_splits))
+                (order, topk_weights, row_of_received, host_splits))
 
     def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
-        order, topk_weights, local_order, send_splits, recv_splits = ctx
-        # back to the order received: each received row gathers its buffer row
-        recv_y = gather_token_copies(expert_y, row_of_slot(local_order, sum(recv_splits)), 1)
-        sorted_y = all_to_all(recv_y, send_splits, recv_splits, self.group)
+        order, topk_weights, row_of_received, host_splits = ctx
+        recv_y = gather_token_copies(expert_y, row_of_received, 1)
+        sorted_y = return_token_copies(recv_y, host_splits, self.group)
         return combine_token_copies(sorted_y, order, topk_weights)
 
     def wait(self, y: torch.Tensor) -> torch.Tensor:

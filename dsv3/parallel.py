@@ -197,15 +197,20 @@ def apply_compile(model: Transformer, world: int, backend: str | Callable = "ind
     would run a traced checkpoint with a graph break in it eagerly, whole; or its shapes change: it is compiled inside
     its checkpoint, where SAC cannot keep inductor's dense GEMM outputs (`_SAVE_OPS`). Inside, a recompile between a
     block's forward and its recompute (for the MTP block's shorter sequence, a new received-token count under EP)
-    would make the recompute run another graph than the forward's, which selective AC rejects: where shapes
-    change within a step, shapes are dynamic from the first compile. Only there: dynamic kernels slow a 16B step
-    on one H100 (selective AC; docs/log.md). Call after `apply_expert_parallel`."""
+    would make the recompute run another graph than the forward's, which selective AC rejects: a size that changes
+    within a step must be symbolic from the first compile. The all_to_all dispatcher marks the one it makes dynamic
+    where it arises (`dispatch.send_token_copies`), and every other size stays static; where sizes change unmarked
+    (DeepEP's row counts, the MTP block's sequence), all of the block's sizes are dynamic from the first compile,
+    its width and head dims included, whose kernels are slower: the whole MoE block dynamic cost 9% of a 16B-cut
+    step on one H100 (selective AC; docs/log.md). Call after `apply_expert_parallel`."""
+    dispatchers = [m.dispatcher for m in moe_layers(model)]
     # only the local dispatcher hands the experts the same number of rows every time
-    shapes_change = len(model.mtp) > 0 or any(not isinstance(m.dispatcher, LocalDispatcher) for m in moe_layers(model))
+    shapes_change = len(model.mtp) > 0 or any(not isinstance(d, LocalDispatcher) for d in dispatchers)
+    unmarked = len(model.mtp) > 0 or any(isinstance(d, dispatch.DeepEPDispatcher) for d in dispatchers)
     for block in model.blocks():
         inner = getattr(block, "_checkpoint_wrapped_module", None)
         if inner is not None and isinstance(inner.ffn, MoE) and not (world == 1 and not shapes_change):
-            inner.compile(backend=backend, dynamic=True if shapes_change else None)
+            inner.compile(backend=backend, dynamic=True if unmarked else None)
         else:
             block.compile(backend=backend)
 

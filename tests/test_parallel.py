@@ -266,18 +266,20 @@ def test_compiled_expert_parallel_matches_eager_on_gpus(tmp_path):
     assert worst[1] < 0.25, worst
 
 
-def _compiled_ac_worker(rank: int, world: int, ep: int, port: int, out_path: str, ac: str) -> None:
+def _compiled_ac_worker(rank: int, world: int, ep: int, port: int, out_path: str, ac: str, mtp: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg = CFG if ep > 1 else replace(CFG, n_mtp_layers=0)  # no EP, no MTP: shapes never change, static compile
+    cfg = CFG if mtp else replace(CFG, n_mtp_layers=0)
     rows = TRAIN.global_batch // world
     local = _batches()[:2, rank * rows:(rank + 1) * rows]
-    captured, results = [], {}
+    captured, results, symbolic_widths = [], {}, []
     graphs = []  # per batch: graphs compiled (aot_autograd hands this compiler the backward graphs too)
 
     def record(gm, example_inputs):  # the ops of every compiled graph; run as traced (no inductor)
         graphs[-1] += 1
         captured.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        symbolic_widths.extend(str(tuple(i.shape)) for i in example_inputs
+                               if isinstance(i, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in i.shape[1:]))
         return make_boxed_func(gm)
 
     for compile in (False, True):
@@ -293,23 +295,28 @@ def _compiled_ac_worker(rank: int, world: int, ep: int, port: int, out_path: str
         results[compile] = {"loss": out.loss.detach(), "grads": {n: _full(p.grad) for n, p in model.named_parameters()}}
     results["grouped_mm_compiled"] = captured.count(torch.ops.aten._grouped_mm.default)
     results["graphs_per_batch"] = graphs[-2:]  # the compiled run's
+    results["symbolic_widths"] = symbolic_widths  # shapes of graph inputs with a symbolic size past their first dim
     _save_from_rank_0_and_leave(rank, results, out_path)
 
 
-@pytest.mark.parametrize("ac,ep,world", [("selective", 2, 2), ("full", 2, 2), ("selective", 1, 2), ("selective", 2, 4)])
+@pytest.mark.parametrize("ac,ep,world,mtp", [("selective", 2, 2, True), ("full", 2, 2, True), ("selective", 1, 2, False),
+                                             ("selective", 2, 4, True), ("selective", 2, 2, False)])
 @pytest.mark.slow
-def test_compile_reaches_checkpointed_moe_blocks(ac, ep, world, tmp_path):
+def test_compile_reaches_checkpointed_moe_blocks(ac, ep, world, mtp, tmp_path):
     """Activation checkpointing + torch.compile: the MoE blocks' expert GEMMs run compiled (a graph break inside a
     compiled checkpoint once sent whole MoE blocks back to eager), and the compiled run's loss and gradients equal
     the eager checkpointed run's, over two steps (a recompile between forward and recompute would make selective AC
     fail): with EP and MTP (dynamic shapes; at world 4 with EP 2 the routed experts are an FSDP unit of their own
-    inside the block), and without either (static)."""
+    inside the block), without either (static), and with EP alone, whose graphs see only the received rows' count
+    change: no width is symbolic (dynamic widths are slower kernels)."""
     out = tmp_path / "rank0.pt"
-    mp.spawn(_compiled_ac_worker, args=(world, ep, free_port(), str(out), ac), nprocs=world)
+    mp.spawn(_compiled_ac_worker, args=(world, ep, free_port(), str(out), ac, mtp), nprocs=world)
     got = torch.load(out)
     assert got["grouped_mm_compiled"] >= 2  # both grouped GEMMs of the MoE blocks' traced forward
     first, second = got["graphs_per_batch"]
     assert first > 0 and second == 0  # the second batch (new token counts under EP) recompiled nothing
+    if not mtp:
+        assert got["symbolic_widths"] == [], got["symbolic_widths"]
     torch.testing.assert_close(got[True]["loss"], got[False]["loss"], rtol=1e-3, atol=1e-3)
     for name, grad in got[False]["grads"].items():
         torch.testing.assert_close(got[True]["grads"][name], grad, rtol=2e-2, atol=1e-3, msg=name)
