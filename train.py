@@ -168,10 +168,11 @@ def check_setup(cfg: Config, world: int, device: torch.device) -> None:
         import_wandb()
 
 
-def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
+def build_model(cfg: Config, world: int, device: torch.device, one_rank_exchange: bool = False) -> Transformer:
     """Build → low precision (dsv3.lowp.quant) → EP → activation checkpointing → compile → FSDP2, then materialise.
     On CUDA the model is built on the meta device so only this rank's shards are ever allocated. Its weights are
-    fp32; on CUDA it computes in bf16: FSDP2's mixed precision, or at one rank (no FSDP) `model.compute_copies`."""
+    fp32; on CUDA it computes in bf16: FSDP2's mixed precision, or at one rank (no FSDP) `model.compute_copies`.
+    `one_rank_exchange` (world 1): `parallel.exchange_within_one_rank`."""
     mcfg, t = cfg.model_config(), cfg.train
     torch.manual_seed(t.seed)
     with torch.device("meta" if device.type == "cuda" else device):
@@ -182,6 +183,8 @@ def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
         meshes = parallel.build_meshes(device.type, world, cfg.parallel.ep)
         if cfg.parallel.ep > 1:
             parallel.apply_expert_parallel(model, meshes, cfg.parallel.ep_backend, cfg.parallel.deepep_sms)
+    if one_rank_exchange:
+        parallel.exchange_within_one_rank(model)
     parallel.apply_activation_checkpointing(model, t.activation_checkpoint)
     if t.compile:
         parallel.apply_compile(model, world)

@@ -17,8 +17,9 @@ Autograd: dispatch's backward is a combine (of the gradients of recv_x and of th
 backward a dispatch with the cached handle. Both are torch.library ops (`dsv3::deepep_dispatch`, `deepep_combine`)
 that selective AC keeps, so an activation-checkpointed block's recompute does not exchange again. The one host sync
 is DeepEP's own: dispatch waits for the receive counts (as the all-to-all backend does for its split sizes). Combine
-runs asynchronously on DeepEP's stream so that the shared experts overlap it; `wait` joins it. One `deep_ep.Buffer` per process serves every MoE layer;
-`close()` frees it (train.py calls it before destroy_process_group; an atexit hook covers other entry points).
+runs asynchronously on DeepEP's stream so that the shared experts overlap it; `wait` joins it. One `deep_ep.Buffer`
+per process serves every MoE layer; `close()` frees it (train.py calls it before destroy_process_group; an atexit
+hook covers other entry points).
 Low-precision experts work too: groups are padded to `align` (`pad_order`), like the other dispatchers.
 
 Under torch.compile only the DeepEP calls (`_exchange`, `_start_combine`, `wait`) and, for padded groups, the

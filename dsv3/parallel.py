@@ -74,6 +74,15 @@ def moe_layers(model: Transformer) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
+def exchange_within_one_rank(model: Transformer) -> None:
+    """Every MoE exchanges its tokens through the all_to_all dispatcher over the group of one rank (world 1): EP's
+    code path (its graph breaks, the split sizes' host sync, the received rows' dynamic count, blocks compiled inside
+    their checkpoint) without the network, for scripts/bench.py to measure on one GPU. Call before
+    `apply_activation_checkpointing`."""
+    for moe in moe_layers(model):
+        moe.dispatcher = dispatch.AllToAllDispatcher(dist.group.WORLD, model.cfg.n_routed_experts, moe.dispatcher.align)
+
+
 def check_ep_backend(backend: str, ep: int, device: torch.device, deepep_sms: int = 24) -> None:
     """`parallel.ep_backend=deepep` needs CUDA, an importable deep_ep and ep ∈ {2, 4, 8} on one host."""
     if backend == "deepep":

@@ -10,6 +10,7 @@ for the host's busy time and waits. At ep > 1 it prints each EP
 rank's share of the routed tokens: at a constant full lr from step 1, random tokens collapse the routing within a few
 steps (one rank got every token), which is not a throughput anyone trains at: `--balanced-routing` measures what a
 balanced router gives (train.py on real data, where the bias balancing works, measures natural routing).
+`--one-rank-exchange` measures, on one GPU, what EP's code path costs without the network.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train  # noqa: E402
 from dsv3 import parallel  # noqa: E402
-from dsv3.config import load_config, run_main  # noqa: E402
+from dsv3.config import UserError, load_config, run_main  # noqa: E402
 from dsv3.determinism import make_deterministic  # noqa: E402
 from dsv3.metrics import flops_per_token, layer_flops_per_token, memory_stats, mfu, peak_flops  # noqa: E402
 from dsv3.model import MLP, Transformer  # noqa: E402
@@ -222,6 +223,9 @@ def main() -> None:
     parser.add_argument("--balanced-routing", action="store_true",
                         help="each token's experts a uniform random K-subset (train.balanced_routing): every EP rank "
                              "gets its share, as with a trained router; random tokens otherwise collapse the routing")
+    parser.add_argument("--one-rank-exchange", action="store_true",
+                        help="one GPU: every MoE exchanges through all_to_all over the group of one, EP's code path "
+                             "(graph breaks, host syncs, dynamic row counts) without the network")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--kernels", help="write every profiled CUDA kernel (ms per step, phase) to this TSV file")
     parser.add_argument("--trace", help="write a Chrome trace (CPU ops and CUDA kernels) of the profiled steps here")
@@ -234,7 +238,9 @@ def main() -> None:
         make_deterministic()
     rank, world, device = parallel.init_distributed(t.device)
     train.check_setup(cfg, world, device)
-    model = train.build_model(cfg, world, device)
+    if args.one_rank_exchange and (world > 1 or device.type != "cuda"):
+        raise UserError("--one-rank-exchange measures EP's code path on one GPU: run it without torchrun, on CUDA")
+    model = train.build_model(cfg, world, device, args.one_rank_exchange)
     optimizer = train.build_optimizer(model, t, device)
     local_batch = t.global_batch // world
     generator = torch.Generator(device="cpu").manual_seed(rank)

@@ -193,3 +193,11 @@ def test_profile_steps_records_the_steps_after_one_warm_up_call():
     events = bench.profile_steps(step, 2, [torch.profiler.ProfilerActivity.CPU], torch.device("cpu"))
     recorded = sorted(e.name for e in events if e.name.startswith("bench step"))
     assert calls == [1, 2, 3] and recorded == ["bench step 2", "bench step 3"]
+
+
+def test_one_rank_exchange_is_refused_where_it_cannot_run(monkeypatch):
+    """--one-rank-exchange needs one GPU (its NCCL group of one): elsewhere one error that says so, before any model."""
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--config", "configs/debug.toml", "--one-rank-exchange"])
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("built a model"))
+    with pytest.raises(bench.UserError, match="--one-rank-exchange measures EP's code path on one GPU"):
+        bench.main()

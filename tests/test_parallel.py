@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from dsv3 import optim, parallel
+from dsv3 import dispatch, optim, parallel
 from dsv3.config import FLAVORS, Config, ParallelConfig, TrainConfig
 from dsv3.model import Transformer
 from dsv3.moe import MoE
@@ -300,7 +300,7 @@ def _compiled_ac_worker(rank: int, world: int, ep: int, port: int, out_path: str
 
 
 @pytest.mark.parametrize("ac,ep,world,mtp", [("selective", 2, 2, True), ("full", 2, 2, True), ("selective", 1, 2, False),
-                                             ("selective", 2, 4, True), ("selective", 2, 2, False)])
+                                             ("selective", 2, 4, True), ("selective", 2, 2, False), ("full", 2, 2, False)])
 @pytest.mark.slow
 def test_compile_reaches_checkpointed_moe_blocks(ac, ep, world, mtp, tmp_path):
     """Activation checkpointing + torch.compile: the MoE blocks' expert GEMMs run compiled (a graph break inside a
@@ -377,6 +377,30 @@ def test_one_rank_compiles_checkpointed_moe_blocks_around_their_checkpoint():
     (out.loss + out.balance_loss).backward()
     for name, p in eager.named_parameters():
         torch.testing.assert_close(around_grads[name], p.grad, rtol=2e-2, atol=1e-3, msg=name)
+
+
+def test_one_rank_exchange_trains_as_the_local_dispatcher():
+    """`parallel.exchange_within_one_rank` (bench.py --one-rank-exchange, EP's code path on one GPU): the all_to_all
+    dispatcher over the group of one gives the local dispatcher's loss and gradients."""
+    batch = _batches()[0]
+    results = []
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for exchange in (False, True):
+            torch.manual_seed(0)
+            model = Transformer(CFG)
+            if exchange:
+                parallel.exchange_within_one_rank(model)
+            out = model(batch[:, :-1], batch[:, 1:])
+            (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
+            results.append((out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    finally:
+        dist.destroy_process_group()
+    assert all(isinstance(m.dispatcher, dispatch.AllToAllDispatcher) for m in parallel.moe_layers(model))
+    (local_loss, local_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, local_loss)
+    for name, grad in local_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
 
 
 class _CountExchanges(TorchDispatchMode):
