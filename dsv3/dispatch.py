@@ -66,7 +66,8 @@ def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
 # experts' gradients came out exactly zero on 2 H200s, torch 2.11); gloo was not affected. The split sizes travel as a
 # host tensor, not as Python ints: compiled code would guard on every int and recompile when they change.
 @torch.compiler.disable
-def send_token_copies(send_x: torch.Tensor, splits: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+def send_token_copies(send_x: torch.Tensor, splits: torch.Tensor,
+                      group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """send_x [N, D] to the EP ranks, `splits` = [rows to each rank, rows from each rank] (2·ep, on the device) →
     (the rows received [R, D], `splits` on the host). Its copy to the host is the one device→host sync of a MoE
     layer. R changes from step to step: marked dynamic, it is symbolic in the compiled code that reads it."""
@@ -78,7 +79,7 @@ def send_token_copies(send_x: torch.Tensor, splits: torch.Tensor, group) -> tupl
 
 
 @torch.compiler.disable
-def return_token_copies(recv_y: torch.Tensor, host_splits: torch.Tensor, group) -> torch.Tensor:
+def return_token_copies(recv_y: torch.Tensor, host_splits: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The rows `send_token_copies` received, back to the ranks that sent them (`host_splits`: what it returned)."""
     ep = host_splits.numel() // 2
     return _AllToAll.apply(recv_y, host_splits[:ep].tolist(), host_splits[ep:].tolist(), group)

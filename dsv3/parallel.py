@@ -77,8 +77,7 @@ def moe_layers(model: Transformer) -> list[MoE]:
 def exchange_within_one_rank(model: Transformer) -> None:
     """Every MoE exchanges its tokens through the all_to_all dispatcher over the group of one rank (world 1): EP's
     code path (its graph breaks, the split sizes' host sync, the received rows' dynamic count, blocks compiled inside
-    their checkpoint) without the network, for scripts/bench.py to measure on one GPU. Call before
-    `apply_activation_checkpointing`."""
+    their checkpoint) without the network, for scripts/bench.py to measure on one GPU. Call before `apply_compile`."""
     for moe in moe_layers(model):
         moe.dispatcher = dispatch.AllToAllDispatcher(dist.group.WORLD, model.cfg.n_routed_experts, moe.dispatcher.align)
 

@@ -114,9 +114,14 @@ def _rank_missed(mc: ModelConfig, ep: int) -> float:
                * math.comb((M - j) * per_group, K) / math.comb(M * per_group, K) for j in range(min(g, M) + 1))
 
 
+def _around_checkpoint(mc: ModelConfig, gpus: int) -> bool:
+    """Whether MoE blocks compile around their checkpoint (parallel.apply_compile): on one GPU, without MTP."""
+    return gpus == 1 and mc.n_mtp_layers == 0
+
+
 def _saved_per_token(mc: ModelConfig, moe: bool, ep: int, backend: str = "all_to_all",
-                     one_rank: bool = False) -> dict[str, float]:
-    """bf16 elements one block saves for backward per token, by AC mode (fp32 tensors count twice); `one_rank`: a
+                     around: bool = False) -> dict[str, float]:
+    """bf16 elements one block saves for backward per token, by AC mode (fp32 tensors count twice); `around`: a
     MoE block compiles around its checkpoint (parallel.apply_compile)."""
     d, H, K, I = mc.dim, mc.n_heads, mc.n_activated_experts, mc.moe_inter_dim
     q = H * mc.qk_head_dim
@@ -138,7 +143,7 @@ def _saved_per_token(mc: ModelConfig, moe: bool, ep: int, backend: str = "all_to
     token_side = d + 4 * mc.n_routed_experts + 3 * mc.n_shared_experts * I + d  # normed, fp32 scores, shared, out
     # inside a compiled MoE block SAC keeps grouped GEMM, SDPA and exchange outputs (parallel._selective_policy);
     # compiled around it (one rank), every GEMM output as in a dense block: the router's and the shared experts' too
-    selective = (d + attention_gemms + mc.n_routed_experts + 2 * mc.n_shared_experts * I + d if one_rank
+    selective = (d + attention_gemms + mc.n_routed_experts + 2 * mc.n_shared_experts * I + d if around
                  else d + sdpa_out + _exchange_kept_per_token(mc, ep, backend))
     return {"none": attention + token_side + copies * copy, "selective": selective + copies * (2 * I + d), "full": d}
 
@@ -303,8 +308,7 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
     mode = t.activation_checkpoint
     for b in range(n):
         moe = b >= mc.n_dense_layers
-        one_rank = gpus == 1 and mc.n_mtp_layers == 0  # parallel.apply_compile
-        saved, saved_local = (_saved_per_token(mc, moe, e, p.ep_backend, one_rank) for e in (ep, 1))
+        saved, saved_local = (_saved_per_token(mc, moe, e, p.ep_backend, _around_checkpoint(mc, gpus)) for e in (ep, 1))
         kept, kept_local = (ACTIVATION_FACTOR * 2 * T * s[mode] for s in (saved, saved_local))
         recomputed = ACTIVATION_FACTOR * 2 * T * saved["none"] - kept
         line = "activations" if b < tl.n_layers else "mtp"
@@ -370,7 +374,7 @@ def _step_time(cfg: Config, gpus: int, kind: GPU, micro_batches: int) -> dict[st
         # recompute is a forward (a third of forward + backward) of what the mode drops: selective AC in a MoE block
         # compiled inside its checkpoint (all but on one rank without MTP: parallel.apply_compile) recomputes its dense
         # GEMMs, full AC the whole block
-        inside = moe and not (gpus == 1 and mc.n_mtp_layers == 0)
+        inside = moe and not _around_checkpoint(mc, gpus)
         recompute = {"none": 0.0, "selective": ((dense_s if inside else 0.0) + activation_s) / 3,
                      "full": (dense_s + expert_s + attention_s + activation_s) / 3}[t.activation_checkpoint]
         for item, s in zip(items, (dense_s, expert_s, attention_s, activation_s + casts_s, recompute)):

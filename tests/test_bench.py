@@ -197,7 +197,8 @@ def test_profile_steps_records_the_steps_after_one_warm_up_call():
 
 def test_one_rank_exchange_is_refused_where_it_cannot_run(monkeypatch):
     """--one-rank-exchange needs one GPU (its NCCL group of one): elsewhere one error that says so, before any model."""
-    monkeypatch.setattr(sys, "argv", ["bench.py", "--config", "configs/debug.toml", "--one-rank-exchange"])
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--config", "configs/debug.toml", "--train.device=cpu",
+                                      "--one-rank-exchange"])
     monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("built a model"))
     with pytest.raises(bench.UserError, match="--one-rank-exchange measures EP's code path on one GPU"):
         bench.main()
