@@ -342,7 +342,7 @@ GPU_CASES = {
     "debug": dict(flavor="debug", model={}, seq_len=128, local_batch=4),
     "16B-cut": dict(flavor="16B", model={"n_layers": 2}, seq_len=1024, local_batch=2),
     "16B-cut-compiled": dict(flavor="16B", model={"n_layers": 2}, seq_len=1024, local_batch=2, compile=True),
-    # compiled inside the checkpoint; recompute exchanges again with deepep, not with all_to_all
+    # compiled inside the checkpoint; selective AC keeps the exchanges (the recompute does not exchange again)
     "16B-cut-compiled-selective-ac": dict(flavor="16B", model={"n_layers": 2}, seq_len=1024, local_batch=2,
                                           compile=True, activation_checkpoint="selective"),
     # the routers never pick rank 1's experts: it receives no tokens (R = N = 0)
