@@ -217,7 +217,7 @@ def apply_compile(model: Transformer, world: int, backend: str | Callable = "ind
     unmarked = len(model.mtp) > 0 or any(isinstance(d, dispatch.DeepEPDispatcher) for d in dispatchers)
     for block in model.blocks():
         inner = getattr(block, "_checkpoint_wrapped_module", None)
-        if inner is not None and isinstance(inner.ffn, MoE) and not (world == 1 and not shapes_change):
+        if inner is not None and isinstance(inner.ffn, MoE) and (world > 1 or shapes_change):
             inner.compile(backend=backend, dynamic=True if unmarked else None)
         else:
             block.compile(backend=backend)
