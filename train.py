@@ -76,8 +76,6 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torc
     losses = torch.zeros(3, device=batch.device)
     tokens_per_expert = 0
     for i, micro in enumerate(micro_batches):
-        if t.balanced_routing:
-            reseed_uniform_routing(model, step, i)
         if accumulate_unsharded_grads:
             parallel.set_gradient_sync(model, i == len(micro_batches) - 1)
         with copies.active(accumulate=len(micro_batches) > 1) if copies else contextlib.nullcontext():
@@ -103,14 +101,6 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torc
     world = dist.get_world_size() if dist.is_initialized() else 1
     losses = parallel.all_reduce_sum(losses / len(micro_batches)) / world
     return torch.cat([losses, grad_norm.reshape(1).float()]), tokens_per_expert
-
-
-@torch.no_grad()
-def reseed_uniform_routing(model: Transformer, step: int, micro_batch: int) -> None:
-    """train.balanced_routing: each router's seed for this micro-batch, from (step, micro-batch, rank, layer)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    for layer, router in enumerate(model.routers()):
-        router.uniform_seed.fill_(hash((step, micro_batch, rank, layer)) % 2**31)
 
 
 @torch.no_grad()
@@ -168,11 +158,10 @@ def check_setup(cfg: Config, world: int, device: torch.device) -> None:
         import_wandb()
 
 
-def build_model(cfg: Config, world: int, device: torch.device, one_rank_exchange: bool = False) -> Transformer:
+def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
     """Build → low precision (dsv3.lowp.quant) → EP → activation checkpointing → compile → FSDP2, then materialise.
     On CUDA the model is built on the meta device so only this rank's shards are ever allocated. Its weights are
-    fp32; on CUDA it computes in bf16: FSDP2's mixed precision, or at one rank (no FSDP) `model.compute_copies`.
-    `one_rank_exchange` (world 1): `parallel.exchange_within_one_rank`."""
+    fp32; on CUDA it computes in bf16: FSDP2's mixed precision, or at one rank (no FSDP) `model.compute_copies`."""
     mcfg, t = cfg.model_config(), cfg.train
     torch.manual_seed(t.seed)
     with torch.device("meta" if device.type == "cuda" else device):
@@ -183,8 +172,6 @@ def build_model(cfg: Config, world: int, device: torch.device, one_rank_exchange
         meshes = parallel.build_meshes(device.type, world, cfg.parallel.ep)
         if cfg.parallel.ep > 1:
             parallel.apply_expert_parallel(model, meshes, cfg.parallel.ep_backend, cfg.parallel.deepep_sms)
-    if one_rank_exchange:
-        parallel.exchange_within_one_rank(model)
     parallel.apply_activation_checkpointing(model, t.activation_checkpoint)
     if t.compile:
         parallel.apply_compile(model, world)
@@ -197,9 +184,6 @@ def build_model(cfg: Config, world: int, device: torch.device, one_rank_exchange
             model.compute_copies = optim.ComputeCopies(model, torch.bfloat16, quant.own_compute_copy)
     if unsharded:  # the routed experts at ep == world, which FSDP leaves alone
         model.compute_copies = optim.ComputeCopies(model, param_dtype, params=unsharded, grad_divisor=world)
-    if t.balanced_routing:
-        for router in model.routers():
-            router.uniform_seed = torch.zeros((), dtype=torch.int64, device=device)
     return model
 
 
@@ -283,9 +267,6 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
         if init_from_line:
             print(init_from_line, flush=True)
-        if t.balanced_routing:
-            print("train.balanced_routing: experts are chosen uniformly at random, not by the router (for benchmarks "
-                  "and debugging; the model does not learn its routing)", flush=True)
 
     model = build_model(cfg, world, device)
     optimizer = build_optimizer(model, t, device)

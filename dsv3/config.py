@@ -220,7 +220,6 @@ class TrainConfig:
     precision_skip: list[str] = field(default_factory=list)  # dense linears whose name contains one stay bf16
     fp8_min_features: int = 1536  # fp8 converts a dense linear only if min(in, out) features reach this (≥ 0)
     compile: bool = False  # torch.compile each block
-    balanced_routing: bool = False  # benchmarks: experts picked uniformly at random (moe.uniform_topk), not learned
     activation_checkpoint: str = "none"  # none | full | selective
     loss_spike_factor: float = 3.0  # stop when the loss exceeds this × its running mean (0: off)
     grad_norm_spike_factor: float = 100.0  # the same for the grad norm (benign early spikes reach ~10×)

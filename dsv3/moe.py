@@ -15,7 +15,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dsv3.config import ModelConfig
-from dsv3.hashing import random_bits
 from dsv3.token_copies import LocalDispatcher, TokenCopies
 
 
@@ -40,8 +39,6 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim))
         # b: steers selection only, learned by the sign rule in `update_expert_bias`, never by gradients.
         self.register_buffer("expert_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
-        # set (a 0-d int64 seed): experts chosen uniformly at random instead (train.balanced_routing, for benchmarks)
-        self.register_buffer("uniform_seed", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> Routing:
         # [T, E]: the GEMM in the model dtype (tensor cores, fp32 accumulation, no fp32 copy of x kept for
@@ -56,22 +53,15 @@ class Router(nn.Module):
             group_mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, False)
             # -inf, not 0: with a negative bias a 0-filled masked group could still win.
             biased = grouped.masked_fill(group_mask.unsqueeze(-1), float("-inf")).flatten(1)
-        if self.uniform_seed is None:
-            topk_idx = biased.topk(self.topk, dim=-1).indices  # [T, K]
-        else:
-            topk_idx = uniform_topk(self.uniform_seed, x.size(0), self.n_experts, self.topk)
-        topk_weights = scores.gather(1, topk_idx)  # unbiased s at the chosen experts
+        topk_idx = biased.topk(self.topk, dim=-1).indices  # [T, K]
+        return Routing(topk_idx, self.gate_weights(scores, topk_idx), scores)
+
+    def gate_weights(self, scores: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        """g [T, K]: the unbiased s at the chosen experts, normalised over them (sigmoid routing), scaled."""
+        topk_weights = scores.gather(1, topk_idx)
         if self.route_norm:
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-        return Routing(topk_idx, topk_weights * self.route_scale, scores)
-
-
-def uniform_topk(seed: torch.Tensor, n_tokens: int, n_experts: int, topk: int) -> torch.Tensor:
-    """[T, K] expert ids, each token's a uniform random K-subset: the K largest of E random keys, a hash of (seed,
-    token, expert). What balanced routing looks like to the exchange and the experts (every expert and EP rank gets
-    its share, a token fans out over ranks as a learned router's would); a recompute routes as the forward did."""
-    keys = random_bits(torch.empty(n_tokens, n_experts, device=seed.device), seed)  # [T, E]
-    return keys.topk(topk, dim=-1).indices
+        return topk_weights * self.route_scale
 
 
 class GroupedExperts(nn.Module):

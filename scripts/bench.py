@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -24,16 +25,20 @@ import time
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train  # noqa: E402
-from dsv3 import parallel  # noqa: E402
+from dsv3 import dispatch, parallel  # noqa: E402
 from dsv3.config import UserError, load_config, run_main  # noqa: E402
 from dsv3.determinism import make_deterministic  # noqa: E402
 from dsv3.metrics import flops_per_token, layer_flops_per_token, memory_stats, mfu, peak_flops  # noqa: E402
+from dsv3.hashing import random_bits  # noqa: E402
 from dsv3.model import MLP, Transformer  # noqa: E402
+from dsv3.moe import Router, Routing  # noqa: E402
+from dsv3.token_copies import pads_groups  # noqa: E402
 
 # First match wins: kernel-name fragments (lower case; a tuple: all of them) → phase.
 PHASES = [
@@ -65,6 +70,52 @@ def phase_of(kernel: str) -> str:
         if any(f in name if isinstance(f, str) else all(part in name for part in f) for f in fragments):
             return phase
     return "other"
+
+
+def uniform_topk(seed: torch.Tensor, n_tokens: int, n_experts: int, topk: int) -> torch.Tensor:
+    """[T, K] expert ids, each token's a uniform random K-subset: the K largest of E random keys, a hash of (seed,
+    token, expert). What balanced routing looks like to the exchange and the experts (every expert and EP rank gets
+    its share, a token fans out over ranks as a learned router's would); a recompute routes as the forward did."""
+    keys = random_bits(torch.empty(n_tokens, n_experts, device=seed.device), seed)  # [T, E]
+    return keys.topk(topk, dim=-1).indices
+
+
+def install_balanced_routing(model: Transformer) -> None:
+    """--balanced-routing: every router picks each token's experts by `uniform_topk` instead of its scores, while its
+    gate weights stay its own (it still learns them). A new draw per forward of the model (per micro-batch, rank and
+    layer); a recompute reads the same seed. Checkpoints are unchanged: the seeds are not saved."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    routers = model.routers()
+    for router in routers:
+        router.register_buffer("uniform_seed", torch.zeros((), dtype=torch.int64, device=router.weight.device),
+                               persistent=False)
+        router.register_forward_hook(_route_uniformly)
+    draws = itertools.count()
+
+    @torch.no_grad()
+    def reseed(*_) -> None:
+        draw = next(draws)
+        for layer, router in enumerate(routers):
+            router.uniform_seed.fill_((draw * 2**16 + rank) * 2**8 + layer)
+
+    model.register_forward_pre_hook(reseed)
+
+
+def _route_uniformly(router: Router, args: tuple, routing: Routing) -> Routing:
+    topk_idx = uniform_topk(router.uniform_seed, args[0].size(0), router.n_experts, router.topk)
+    return Routing(topk_idx, router.gate_weights(routing.scores, topk_idx), routing.scores)
+
+
+def install_one_rank_exchange(model: Transformer, device: torch.device) -> None:
+    """--one-rank-exchange: every MoE exchanges its tokens through the all_to_all dispatcher over the group of one
+    rank, EP's code path (the split sizes' host sync, the exchange, the received rows' unbacked count) without the
+    network. At world 1 `parallel.apply_compile` compiles it as it does the local dispatcher (around the checkpoint),
+    except where the all_to_all path pads its groups (low precision, B200): refused there."""
+    if any(pads_groups(m.dispatcher.align, device) for m in parallel.moe_layers(model)):
+        raise UserError("--one-rank-exchange measures the bf16 exchange on Hopper: here the experts' groups are "
+                        "padded (a low precision, or a B200), which the one-rank path does not compile as EP does")
+    for moe in parallel.moe_layers(model):
+        moe.dispatcher = dispatch.AllToAllDispatcher(dist.group.WORLD, model.cfg.n_routed_experts)
 
 
 def _clock(device: torch.device) -> torch.cuda.Event | float:
@@ -221,7 +272,7 @@ def main() -> None:
     parser.add_argument("--layer-steps", type=int, default=3, help="steps timed block by block (0: none)")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--balanced-routing", action="store_true",
-                        help="each token's experts a uniform random K-subset (train.balanced_routing): every EP rank "
+                        help="each token's experts a uniform random K-subset (install_balanced_routing): every EP rank "
                              "gets its share, as with a trained router; random tokens otherwise collapse the routing")
     parser.add_argument("--one-rank-exchange", action="store_true",
                         help="one GPU: every MoE exchanges through all_to_all over the group of one, EP's code path "
@@ -230,17 +281,19 @@ def main() -> None:
     parser.add_argument("--kernels", help="write every profiled CUDA kernel (ms per step, phase) to this TSV file")
     parser.add_argument("--trace", help="write a Chrome trace (CPU ops and CUDA kernels) of the profiled steps here")
     args, overrides = parser.parse_known_args()
-    if args.balanced_routing:
-        overrides.append("--train.balanced_routing=true")
     cfg = load_config(args.config, overrides)
     mcfg, t = cfg.model_config(), cfg.train
     if t.deterministic:  # what --train.deterministic=true costs (before CUDA, cuBLAS and NCCL start, as in train.py)
         make_deterministic()
     rank, world, device = parallel.init_distributed(t.device)
     train.check_setup(cfg, world, device)
-    if args.one_rank_exchange and (world > 1 or device.type != "cuda"):
+    if args.one_rank_exchange and (world > 1 or device.type != "cuda"):  # before the model is built
         raise UserError("--one-rank-exchange measures EP's code path on one GPU: run it without torchrun, on CUDA")
-    model = train.build_model(cfg, world, device, args.one_rank_exchange)
+    model = train.build_model(cfg, world, device)
+    if args.one_rank_exchange:
+        install_one_rank_exchange(model, device)
+    if args.balanced_routing:
+        install_balanced_routing(model)
     optimizer = train.build_optimizer(model, t, device)
     local_batch = t.global_batch // world
     generator = torch.Generator(device="cpu").manual_seed(rank)
@@ -276,6 +329,7 @@ def main() -> None:
         peak_memory_gib = fullest.item()
     result = {
         "config": args.config, "overrides": overrides, "world": world,
+        "balanced_routing": args.balanced_routing, "one_rank_exchange": args.one_rank_exchange,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "step_ms": 1e3 * step_s, "tokens_per_s_per_gpu": tokens_per_s_per_gpu,
         "mfu": mfu(flops, tokens_per_s_per_gpu, 1, peak) if peak else None,

@@ -3,6 +3,7 @@ order autograd runs them, the model left as it was; and the same under FSDP2 + E
 
 import contextlib
 import json
+import math
 import sys
 
 import pytest
@@ -14,7 +15,7 @@ from conftest import free_port, leave_process_group, torchrun_env
 from dsv3 import parallel
 from dsv3.config import load_config
 from scripts import bench
-from scripts.bench import expert_rows_vs_mean, layer_times, phase_of, timed_blocks
+from scripts.bench import expert_rows_vs_mean, layer_times, phase_of, timed_blocks, uniform_topk
 
 
 @pytest.fixture
@@ -146,23 +147,45 @@ def test_kernels_are_split_into_the_phases_they_belong_to(kernel, phase):
     assert phase_of(kernel) == phase
 
 
+def test_uniform_topk_draws_uniform_k_subsets_that_fan_out_as_random_ones():
+    """Balanced routing (--balanced-routing): distinct experts per token, every expert its share, a token's copies
+    spread over EP ranks as a uniform K-subset's are (not round-robin, which keeps a token on ~1 rank), the same
+    routing for the same seed (the recompute) and another for another seed."""
+    T, E, K, ep = 20000, 64, 6, 4
+    idx = uniform_topk(torch.tensor(7), T, E, K)
+    assert idx.shape == (T, K) and (idx.sort(-1).values.diff(dim=-1) > 0).all()
+    counts = torch.bincount(idx.flatten(), minlength=E).float()
+    assert (counts / counts.mean() - 1).abs().max() < 0.1
+    ranks_per_token = torch.stack([(idx // (E // ep) == r).any(-1) for r in range(ep)]).sum(0).float().mean()
+    expected = ep * (1 - math.comb(E - E // ep, K) / math.comb(E, K))
+    assert abs(ranks_per_token - expected) < 0.02 * expected
+    assert torch.equal(uniform_topk(torch.tensor(7), T, E, K), idx)
+    assert (uniform_topk(torch.tensor(8), T, E, K) != idx).any(-1).float().mean() > 0.9
+
+
 def test_balanced_routing_gives_every_expert_its_share_in_a_training_step():
-    """train.balanced_routing through train_step (and activation checkpointing, whose recompute must route as the
-    forward did): each MoE layer's experts get near-equal rows; without it, the learned router's rows are uneven."""
-    rows = {}
+    """install_balanced_routing through train_step (and activation checkpointing, whose recompute must route as the
+    forward did): each MoE layer's experts get near-equal rows, the routers still learn their gate weights, and the
+    checkpoint holds what a plain run's does; without it, the learned router's rows are uneven."""
+    rows, keys = {}, {}
     for balanced in (False, True):
         cfg = load_config("configs/debug.toml", ["--train.global_batch=8", "--train.micro_batch=4",
-                                                 "--train.seq_len=256", "--train.activation_checkpoint=full",
-                                                 f"--train.balanced_routing={str(balanced).lower()}"])
+                                                 "--train.seq_len=256", "--train.activation_checkpoint=full"])
         model = train.build_model(cfg, 1, torch.device("cpu"))
+        if balanced:
+            bench.install_balanced_routing(model)
         optimizer = train.build_optimizer(model, cfg.train, torch.device("cpu"))
         batch = torch.randint(0, 50, (8, 257), generator=torch.Generator().manual_seed(0))  # a narrow vocabulary
+        before = [r.weight.detach().clone() for r in model.routers()]
         values, tokens_per_expert = train.train_step(model, optimizer, batch, cfg.train, 1)
         assert torch.isfinite(values).all()
+        assert all(not torch.equal(b, r.weight) for b, r in zip(before, model.routers()))
         rows[balanced] = expert_rows_vs_mean([tokens_per_expert])
+        keys[balanced] = set(model.state_dict())
     low, high = rows[True]
     assert 0.85 < low and high < 1.15, rows
     assert rows[False][1] - rows[False][0] > high - low, rows
+    assert keys[True] == keys[False]
 
 
 def test_profiled_times_split_idle_exposed_communication_and_host_waits():

@@ -2,7 +2,6 @@
 the aux-loss-free bias update and the sequence-wise balance loss (paper §2.1.2: the DeepSeekMoE
 architecture, auxiliary-loss-free load balancing, the complementary sequence-wise auxiliary loss)."""
 
-import math
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dsv3.config import ModelConfig
 from dsv3.model import Block, rope_frequencies
-from dsv3.moe import GroupedExperts, MoE, Router, sequence_balance_loss, swiglu, uniform_topk, update_expert_bias
+from dsv3.moe import GroupedExperts, MoE, Router, sequence_balance_loss, swiglu, update_expert_bias
 from dsv3.token_copies import combine_token_copies, gather_token_copies
 
 
@@ -504,33 +503,3 @@ def test_swiglu_backward_kernel_is_the_gradient_rounded_once_to_bf16(compiled):
     expected.backward(grad.double())
     for ours, theirs, roundings in ((out, expected, 2), (gate_up.grad, exact.grad, 1)):
         assert ((ours.double() - theirs).abs() <= theirs.abs() * roundings * 2 ** -8 * 1.01).all()
-
-
-def test_uniform_topk_draws_uniform_k_subsets_that_fan_out_as_random_ones():
-    """Balanced routing (train.balanced_routing): distinct experts per token, every expert its share, a token's copies
-    spread over EP ranks as a uniform K-subset's are (not round-robin, which keeps a token on ~1 rank), the same
-    routing for the same seed (the recompute) and another for another seed."""
-    T, E, K, ep = 20000, 64, 6, 4
-    idx = uniform_topk(torch.tensor(7), T, E, K)
-    assert idx.shape == (T, K) and (idx.sort(-1).values.diff(dim=-1) > 0).all()
-    counts = torch.bincount(idx.flatten(), minlength=E).float()
-    assert (counts / counts.mean() - 1).abs().max() < 0.1
-    ranks_per_token = torch.stack([(idx // (E // ep) == r).any(-1) for r in range(ep)]).sum(0).float().mean()
-    expected = ep * (1 - math.comb(E - E // ep, K) / math.comb(E, K))
-    assert abs(ranks_per_token - expected) < 0.02 * expected
-    assert torch.equal(uniform_topk(torch.tensor(7), T, E, K), idx)
-    assert (uniform_topk(torch.tensor(8), T, E, K) != idx).any(-1).float().mean() > 0.9
-
-
-def test_router_with_a_uniform_seed_routes_uniformly_and_still_learns_its_gate_weights():
-    cfg = moe_config()
-    router = make_router(cfg)
-    x = torch.randn(50, cfg.dim)
-    learned = router(x)
-    router.uniform_seed = torch.tensor(3)
-    routing = router(x)
-    assert torch.equal(routing.topk_idx, uniform_topk(torch.tensor(3), 50, cfg.n_routed_experts, cfg.n_activated_experts))
-    assert not torch.equal(routing.topk_idx, learned.topk_idx)
-    routing.topk_weights.sum().backward()
-    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
-    assert "uniform_seed" not in router.state_dict()  # not saved: checkpoints are those of a plain run
