@@ -40,93 +40,76 @@ from dsv3.token_copies import (TokenCopies, combine_token_copies, gather_token_c
                                row_of_slot)
 
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits; its backward is the reverse exchange."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return exchange(x, out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out_splits, in_splits = ctx.splits
-        return _AllToAll.apply(grad, in_splits, out_splits, ctx.group), None, None, None
-
-
 def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
              group: dist.ProcessGroup) -> torch.Tensor:
     """all_to_all_single as a functional collective (a new output tensor, not a filled buffer), an op that
-    selective AC can keep: recompute does not exchange again."""
-    out = torch.ops._c10d_functional.all_to_all_single(x.contiguous(), out_splits, in_splits, group.group_name)
+    selective AC can keep (recompute does not exchange again) and that torch.compile traces. Differentiable: its
+    backward is the reverse exchange. Under compile the splits may be unbacked SymInts (`host_splits`)."""
+    out = torch.ops._c10d_functional_autograd.all_to_all_single(x.contiguous(), out_splits, in_splits,
+                                                               group.group_name)
     return torch.ops._c10d_functional.wait_tensor(out)
 
 
-# The differentiable exchanges, kept out of torch.compile: traced, the NCCL collective lost its backward (the routed
-# experts' gradients came out exactly zero on 2 H200s, torch 2.11); gloo was not affected. The split sizes travel as a
-# host tensor, not as Python ints: compiled code would guard on every int and recompile when they change.
-@torch.compiler.disable
-def send_token_copies(send_x: torch.Tensor, splits: torch.Tensor,
-                      group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
-    """send_x [N, D] to the EP ranks, `splits` = [rows to each rank, rows from each rank] (2·ep, on the device) →
-    (the rows received [R, D], `splits` on the host). Its copy to the host is the one device→host sync of a MoE
-    layer. R changes from step to step: marked dynamic, it is symbolic in the compiled code that reads it."""
-    host = splits.cpu()
-    ep = host.numel() // 2
-    recv_x = _AllToAll.apply(send_x, host[ep:].tolist(), host[:ep].tolist(), group)
-    torch._dynamo.maybe_mark_dynamic(recv_x, 0)
-    return recv_x, host
-
-
-@torch.compiler.disable
-def return_token_copies(recv_y: torch.Tensor, host_splits: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The rows `send_token_copies` received, back to the ranks that sent them (`host_splits`: what it returned)."""
-    ep = host_splits.numel() // 2
-    return _AllToAll.apply(recv_y, host_splits[:ep].tolist(), host_splits[ep:].tolist(), group)
+def host_splits(splits: torch.Tensor) -> list[int]:
+    """The split sizes on the host: the one device→host sync of a MoE layer. Under torch.compile (with
+    `capture_scalar_outputs`) they are unbacked SymInts, so the block stays one graph and no count recompiles."""
+    sizes = splits.cpu().tolist()
+    for size in sizes:
+        torch._check(size >= 0)
+    return sizes
 
 
 class AllToAllDispatcher:
     """Expert parallelism over `group`: rank r holds experts [r·E_local, (r+1)·E_local).
 
     route → counts per expert → exchange counts → exchange token copies (uneven splits) → sort by local
-    expert → grouped GEMM → the reverse. The split sizes must reach the host for all_to_all_single: that copy is
-    the one device→host sync per MoE layer. `align` > 1 pads each local expert's group (`pad_order`), without
-    another sync.
+    expert → grouped GEMM → the reverse. The split sizes must reach the host for all_to_all_single (`host_splits`).
+    `align` > 1 pads each local expert's group (`pad_order`), without another sync.
     """
 
     def __init__(self, group: dist.ProcessGroup, n_experts: int, align: int = 1):
         self.group = group
-        self.ep = dist.get_world_size(group)
+        self.ep, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.n_local = n_experts // self.ep
         self.align = align
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  tokens_per_expert: torch.Tensor) -> tuple[TokenCopies, torch.Tensor, Any]:
-        order = topk_idx.flatten().argsort(stable=True)  # by expert, hence by destination rank
+        n_slots, ep, n_local = topk_idx.numel(), self.ep, self.n_local
+        # Each rank also sends itself one zero row, a copy for a phantom expert after its own: every rank receives
+        # a row, so no size is ever 0 and no branch reads a count (the block stays one graph under compile).
+        phantom_key = topk_idx.new_full((1,), 2 * (self.rank + 1) * n_local - 1)
+        order = torch.cat([topk_idx.flatten() * 2, phantom_key]).argsort(stable=True)  # by expert, hence by rank
+        order = torch.where(order < n_slots, order, -1)  # slot −1: a zero row
         send_x = gather_token_copies(x, order, topk_idx.size(1))
         # received[src, e]: copies rank src sends to our local expert e
-        even = [self.n_local] * self.ep
-        received = exchange(tokens_per_expert, even, even, self.group).view(self.ep, self.n_local)
-        splits = torch.cat([tokens_per_expert.view(self.ep, self.n_local).sum(1), received.sum(1)])
-        recv_x, host_splits = send_token_copies(send_x, splits, self.group)  # [src][local expert] order
+        even = [n_local] * ep
+        received = exchange(tokens_per_expert, even, even, self.group).view(ep, n_local)
+        phantom = (torch.arange(ep, device=x.device) == self.rank).long()  # [ep]
+        splits = host_splits(torch.cat([tokens_per_expert.view(ep, n_local).sum(1) + phantom,
+                                        received.sum(1) + phantom]))
+        sent, got = splits[:ep], splits[ep:]
+        torch._check(got[self.rank] >= 1)
+        recv_x = exchange(send_x, got, sent, self.group)  # [src][local expert, phantom] order
         n_received = recv_x.size(0)
-        local_expert = torch.arange(self.n_local, device=x.device).repeat(self.ep)
-        expert_of_row = local_expert.repeat_interleave(received.flatten(), output_size=n_received)
-        local_order = expert_of_row.argsort(stable=True)  # → [local expert][src] order
+        local_expert = torch.arange(n_local + 1, device=x.device).repeat(ep)
+        counts = torch.cat([received, phantom[:, None]], dim=1).flatten()
+        expert_of_row = local_expert.repeat_interleave(counts, output_size=n_received)
+        local_order = expert_of_row.argsort(stable=True)  # → [local expert][src] order, the phantom row last
         tokens_per_local_expert = received.sum(0)
-        # N varies by step: few buffer sizes (bucket); none received: zero rows for every expert
-        if pads_groups(self.align, x.device) or not n_received:
-            local_order, tokens_per_local_expert = pad_order(local_order, expert_of_row[local_order],
+        if pads_groups(self.align, x.device):  # N varies by step: few buffer sizes (bucket)
+            local_order, tokens_per_local_expert = pad_order(local_order[:-1], expert_of_row[local_order[:-1]],
                                                              tokens_per_local_expert, self.align, bucket=True)
-        # back to the order received, after the experts: each received row gathers its buffer row
+        # back to the order received, after the experts: each received row gathers its buffer row (the phantom's
+        # is past the last group: the GEMMs leave it unwritten, and the combine drops it)
         row_of_received = row_of_slot(local_order, n_received)
         return (TokenCopies(recv_x, local_order, 1), tokens_per_local_expert,
-                (order, topk_weights, row_of_received, host_splits))
+                (order, topk_weights, row_of_received, sent, got))
 
     def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
-        order, topk_weights, row_of_received, host_splits = ctx
+        order, topk_weights, row_of_received, sent, got = ctx
         recv_y = gather_token_copies(expert_y, row_of_received, 1)
-        sorted_y = return_token_copies(recv_y, host_splits, self.group)
+        sorted_y = exchange(recv_y, sent, got, self.group)
         return combine_token_copies(sorted_y, order, topk_weights)
 
     def wait(self, y: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from dsv3.config import UserError
 from dsv3.lowp import quant
 from dsv3.model import Transformer
 from dsv3.moe import MoE
-from dsv3.token_copies import LocalDispatcher
+from dsv3.token_copies import pads_groups
 
 
 def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
@@ -72,14 +72,6 @@ def build_meshes(device_type: str, world: int, ep: int) -> Meshes:
 
 def moe_layers(model: Transformer) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
-
-
-def exchange_within_one_rank(model: Transformer) -> None:
-    """Every MoE exchanges its tokens through the all_to_all dispatcher over the group of one rank (world 1): EP's
-    code path (its graph breaks, the split sizes' host sync, the received rows' dynamic count, blocks compiled inside
-    their checkpoint) without the network, for scripts/bench.py to measure on one GPU. Call before `apply_compile`."""
-    for moe in moe_layers(model):
-        moe.dispatcher = dispatch.AllToAllDispatcher(dist.group.WORLD, model.cfg.n_routed_experts, moe.dispatcher.align)
 
 
 def check_ep_backend(backend: str, ep: int, device: torch.device, deepep_sms: int = 24) -> None:
@@ -156,7 +148,8 @@ _SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default,
 
 
 # EP's exchanges (all_to_all's functional collective, DeepEP's ops): kept, recompute does not talk to other ranks
-_EXCHANGE_OPS = {torch.ops._c10d_functional.all_to_all_single.default, torch.ops.dsv3.deepep_dispatch.default,
+_EXCHANGE_OPS = {torch.ops._c10d_functional.all_to_all_single.default,
+                 torch.ops._c10d_functional_autograd.all_to_all_single.default, torch.ops.dsv3.deepep_dispatch.default,
                  torch.ops.dsv3.deepep_combine.default}
 
 
@@ -195,30 +188,34 @@ def check_compile(enabled: bool, device: torch.device) -> None:
                         "fp32, which torch.compile cannot trace; use --train.compile=false")
 
 
-def apply_compile(model: Transformer, world: int, backend: str | Callable = "inductor") -> None:
-    """torch.compile each block in place (module names, hence checkpoints, are unchanged).
+def moe_blocks_compile_whole(world: int, ep: int, ep_backend: str, n_mtp_layers: int, pads_groups: bool) -> bool:
+    """Whether checkpointed MoE blocks compile around their checkpoint, as one graph (`apply_compile`): nothing in
+    them breaks the graph — no DeepEP call, no experts' FSDP unit (ep < world), no bucketed padding — and no MTP
+    block (its shorter sequence made inductor's partitioner fail). docs/performance.md#what-makes-it-fast."""
+    no_break = (ep == 1 and world == 1) or (ep == world and ep_backend == "all_to_all" and not pads_groups)
+    return no_break and n_mtp_layers == 0
 
-    A checkpointed block is compiled around its checkpoint when it traces as one graph: dense blocks, and MoE blocks
-    on one rank without EP or MTP (`world` 1, the local dispatcher; the MTP block's shorter sequence made inductor's
-    partitioner fail on an H200, torch 2.11). AOTAutograd then recomputes what the SAC policy lets it and keeps the
-    GEMM outputs. Elsewhere a MoE block's graph breaks (at EP's exchange, at its experts' FSDP hooks), and dynamo
-    would run a traced checkpoint with a graph break in it eagerly, whole; or its shapes change: it is compiled inside
-    its checkpoint, where SAC cannot keep inductor's dense GEMM outputs (`_SAVE_OPS`). Inside, a recompile between a
-    block's forward and its recompute (for the MTP block's shorter sequence, a new received-token count under EP)
-    would make the recompute run another graph than the forward's, which selective AC rejects: a size that changes
-    within a step must be symbolic from the first compile. The all_to_all dispatcher marks the one it makes dynamic
-    where it arises (`dispatch.send_token_copies`), and every other size stays static; where sizes change unmarked
-    (DeepEP's row counts, the MTP block's sequence), all of the block's sizes are dynamic from the first compile,
-    its width and head dims included, whose kernels are slower: the whole MoE block dynamic cost 9% of a 16B-cut
-    step on one H100 (selective AC; docs/log.md). Call after `apply_expert_parallel`."""
+
+def apply_compile(model: Transformer, world: int, backend: str | Callable = "inductor") -> None:
+    """torch.compile each block in place (module names, hence checkpoints, are unchanged); checkpointed MoE blocks
+    around their checkpoint where `moe_blocks_compile_whole`, else inside it. Call after `apply_expert_parallel`."""
     dispatchers = [m.dispatcher for m in moe_layers(model)]
-    # only the local dispatcher hands the experts the same number of rows every time
-    shapes_change = len(model.mtp) > 0 or any(not isinstance(d, LocalDispatcher) for d in dispatchers)
-    unmarked = len(model.mtp) > 0 or any(isinstance(d, dispatch.DeepEPDispatcher) for d in dispatchers)
+    deepep = any(isinstance(d, dispatch.DeepEPDispatcher) for d in dispatchers)
+    all_to_all = [d for d in dispatchers if isinstance(d, dispatch.AllToAllDispatcher)]
+    ep = all_to_all[0].ep if all_to_all else 1
+    pads = any(d.align > 1 for d in dispatchers) or (torch.cuda.is_available() and pads_groups(1, torch.device("cuda")))
+    whole = moe_blocks_compile_whole(world, world if deepep else ep, "deepep" if deepep else "all_to_all",
+                                     len(model.mtp), pads and bool(all_to_all))
+    # EP's split sizes (`dispatch.host_splits`) as unbacked SymInts: no graph break, no recompile
+    torch._dynamo.config.capture_scalar_outputs = True
+    # Inside a checkpoint a recompile between a block's forward and its recompute would run another graph, which
+    # selective AC rejects: sizes that change unmarked (DeepEP's row counts, the MTP block's sequence, the rows after
+    # a padding graph break) are dynamic from the first compile.
+    dynamic = True if deepep or len(model.mtp) or (all_to_all and pads) else None
     for block in model.blocks():
         inner = getattr(block, "_checkpoint_wrapped_module", None)
-        if inner is not None and isinstance(inner.ffn, MoE) and (world > 1 or shapes_change):
-            inner.compile(backend=backend, dynamic=True if unmarked else None)
+        if inner is not None and isinstance(inner.ffn, MoE) and not whole:
+            inner.compile(backend=backend, dynamic=dynamic)
         else:
             block.compile(backend=backend)
 

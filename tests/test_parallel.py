@@ -287,17 +287,17 @@ def _compiled_ac_worker(rank: int, world: int, ep: int, port: int, out_path: str
         # bf16 compute: the grouped GEMM traces in bf16 only
         model = _parallelize(Transformer(cfg), world, ep, ac, torch.bfloat16,
                              aot_autograd(fw_compiler=record) if compile else None)
-        # without MTP (whose block recompiles for its shorter sequence), no recompile at all: the MoE layers of a batch
-        # receive different token counts under EP, the second batch others again; a recompile anywhere raises
-        with torch._dynamo.config.patch(error_on_recompile=not mtp):
-            for batch in local:
-                graphs.append(0)
-                model.zero_grad(set_to_none=True)
-                out = model(batch[:, :-1], batch[:, 1:])
-                (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
+        # the MoE layers of a batch receive different token counts under EP, the second batch others again
+        torch._dynamo.utils.counters.clear()
+        for batch in local:
+            graphs.append(0)
+            model.zero_grad(set_to_none=True)
+            out = model(batch[:, :-1], batch[:, 1:])
+            (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
         results[compile] = {"loss": out.loss.detach(), "grads": {n: _full(p.grad) for n, p in model.named_parameters()}}
     results["grouped_mm_compiled"] = captured.count(torch.ops.aten._grouped_mm.default)
     results["graphs_per_batch"] = graphs[-2:]  # the compiled run's
+    results["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
     results["symbolic_widths"] = symbolic_widths  # shapes of graph inputs with a symbolic size past their first dim
     _save_from_rank_0_and_leave(rank, results, out_path)
 
@@ -309,8 +309,8 @@ def test_compile_reaches_checkpointed_moe_blocks(ac, ep, world, mtp, tmp_path):
     """Activation checkpointing + torch.compile: the MoE blocks' expert GEMMs run compiled (a graph break inside a
     compiled checkpoint once sent whole MoE blocks back to eager), and the compiled run's loss and gradients equal
     the eager checkpointed run's, over two steps (a recompile between forward and recompute would make selective AC
-    fail): with EP and MTP (dynamic shapes; at world 4 with EP 2 the routed experts are an FSDP unit of their own
-    inside the block), without either (static), and with EP alone, whose graphs see only the received rows' count
+    fail), with no graph break at ep == world without MTP: with EP and MTP (dynamic shapes; at world 4 with EP 2 the
+    routed experts are an FSDP unit of their own inside the block), without either (static), and with EP alone, whose graphs see only the received rows' count
     change: no width is symbolic (dynamic widths are slower kernels)."""
     out = tmp_path / "rank0.pt"
     mp.spawn(_compiled_ac_worker, args=(world, ep, free_port(), str(out), ac, mtp), nprocs=world)
@@ -318,6 +318,8 @@ def test_compile_reaches_checkpointed_moe_blocks(ac, ep, world, mtp, tmp_path):
     assert got["grouped_mm_compiled"] >= 2  # both grouped GEMMs of the MoE blocks' traced forward
     first, second = got["graphs_per_batch"]
     assert first > 0 and second == 0  # the second batch (new token counts under EP) recompiled nothing
+    if ep == world and not mtp:  # the exchange traced: each MoE block one graph, around its checkpoint
+        assert got["graph_breaks"] == 0
     if not mtp:
         assert got["symbolic_widths"] == [], got["symbolic_widths"]
     torch.testing.assert_close(got[True]["loss"], got[False]["loss"], rtol=1e-3, atol=1e-3)
@@ -380,9 +382,15 @@ def test_one_rank_compiles_checkpointed_moe_blocks_around_their_checkpoint():
         torch.testing.assert_close(grads[1, 0][name], p.grad, rtol=2e-2, atol=1e-3, msg=name)
 
 
+def _exchange_within_one_rank(model: Transformer) -> None:
+    """bench.py --one-rank-exchange: every MoE through the all_to_all dispatcher over the group of one rank."""
+    for moe in parallel.moe_layers(model):
+        moe.dispatcher = dispatch.AllToAllDispatcher(dist.group.WORLD, model.cfg.n_routed_experts)
+
+
 def test_one_rank_exchange_trains_as_the_local_dispatcher():
-    """`parallel.exchange_within_one_rank` (bench.py --one-rank-exchange, EP's code path on one GPU): the all_to_all
-    dispatcher over the group of one gives the local dispatcher's loss and gradients."""
+    """EP's code path on one rank (bench.py --one-rank-exchange): the all_to_all dispatcher over the group of one
+    gives the local dispatcher's loss and gradients."""
     batch = _batches()[0]
     results = []
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -391,7 +399,7 @@ def test_one_rank_exchange_trains_as_the_local_dispatcher():
             torch.manual_seed(0)
             model = Transformer(CFG)
             if exchange:
-                parallel.exchange_within_one_rank(model)
+                _exchange_within_one_rank(model)
             out = model(batch[:, :-1], batch[:, 1:])
             (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
             results.append((out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
@@ -402,6 +410,36 @@ def test_one_rank_exchange_trains_as_the_local_dispatcher():
     torch.testing.assert_close(loss, local_loss)
     for name, grad in local_grads.items():
         torch.testing.assert_close(grads[name], grad, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_one_rank_exchange_compiles_whole_and_trains_as_the_local_dispatcher_on_a_gpu():
+    """EP's all_to_all path compiled by inductor with the MoE block one graph around its checkpoint (NCCL, a group of
+    one): the local dispatcher's loss and gradients within bf16 noise, the routed experts' included (a traced NCCL
+    exchange once dropped its backward: expert gradients of exactly 0)."""
+    device = torch.device("cuda", 0)
+    batch = _batches()[0].to(device)
+    results = []
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    for exchange in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Transformer(replace(CFG, n_mtp_layers=0)).to(device, torch.bfloat16)
+        if exchange:
+            _exchange_within_one_rank(model)
+        parallel.apply_activation_checkpointing(model, "selective")
+        parallel.apply_compile(model, 1)
+        for micro in batch.split(4):
+            model.zero_grad(set_to_none=True)
+            out = model(micro[:, :-1], micro[:, 1:])
+            (out.loss + out.balance_loss).backward()
+        results.append((out.loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    (local_loss, local_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, local_loss, rtol=1e-2, atol=1e-2)
+    rel = {n: ((grads[n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in local_grads.items()}
+    assert max(rel.values()) < 0.1, max(rel.items(), key=lambda kv: kv[1])
 
 
 class _CountExchanges(TorchDispatchMode):
