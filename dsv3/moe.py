@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dsv3.config import ModelConfig
-from dsv3.token_copies import LocalDispatcher, TokenCopies
+from dsv3.token_copies import Dispatcher, LocalDispatcher, TokenCopies
 
 
 class Routing(NamedTuple):
@@ -156,7 +156,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim)
         self.shared_experts = (MLP(cfg.dim, cfg.n_shared_experts * cfg.moe_inter_dim)
                                if cfg.n_shared_experts else None)
-        self.dispatcher = LocalDispatcher()  # replaced from outside for expert parallelism
+        self.dispatcher: Dispatcher = LocalDispatcher()  # replaced from outside for expert parallelism
 
     def forward(self, x: torch.Tensor) -> MoEOutput:
         B, S, D = x.shape

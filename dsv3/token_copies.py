@@ -6,26 +6,32 @@ weights (`combine_token_copies`), each with a backward that gathers where autogr
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 
-class LocalDispatcher:
-    """All experts live in this process: sort token copies by expert, and undo it after the experts.
+class Dispatcher(Protocol):
+    """How a MoE layer's tokens reach its routed experts and come back: `LocalDispatcher` here, dsv3.dispatch's
+    `AllToAllDispatcher` and `DeepEPDispatcher` for expert parallelism."""
 
-    Interface shared by every dispatcher:
-      dispatch(x [T, D], topk_idx [T, K], topk_weights [T, K], tokens_per_expert [E] of these tokens)
-          -> (copies: `TokenCopies` of the experts' [N, D] rows, grouped by local expert,
-              tokens_per_local_expert [E_local] int64, ctx)
-      combine(expert_y, ctx) -> y [T, D] = Σ_k g_k · (the experts' row of token t's k-th copy). expert_y is what
-          the experts return: the weighted sums per token where the copies carry `weights` (this dispatcher,
-          DeepEP's), else their [N, D] rows
-      wait(y) -> y, readable: combine may return while its exchange is still in flight (DeepEP), so that
-          the shared experts overlap it; a no-op for the others
-      align: every group of the copies starts at a multiple of it (`pad_order`); 1 = no padding, unless
-          `pads_groups` says the device needs it.
-    """
+    align: int  # every group of the copies starts at a multiple of it (`pad_order`); set by dsv3.lowp.quant
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 tokens_per_expert: torch.Tensor) -> tuple[TokenCopies, torch.Tensor, Any]:
+        """x [T, D], topk_idx/topk_weights [T, K], tokens_per_expert [E] → (the experts' input rows grouped by local
+        expert, tokens_per_local_expert [E_local] int64, what `combine` needs)."""
+
+    def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """What the experts returned (their [N, D] rows, or, where the copies carry `weights`, the weighted sums per
+        token they made) → y [T, D] = Σ_k g_k · FFN_k(x_t), perhaps still arriving (`wait`)."""
+
+    def wait(self, y: torch.Tensor) -> torch.Tensor:
+        """y, readable: a combine may return before its exchange ends, so that the shared experts overlap it."""
+
+
+class LocalDispatcher:
+    """All experts live in this process: sort token copies by expert, and undo it after the experts."""
 
     def __init__(self, align: int = 1):
         self.align = align  # set by dsv3.lowp.quant for the low-precision grouped GEMMs
