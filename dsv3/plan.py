@@ -19,6 +19,7 @@ import copy
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Callable
 
 from dsv3.config import Config, ModelConfig, UserError
 from dsv3.dispatch import SUPPORTED_EP
@@ -201,138 +202,184 @@ class _Timeline:
         return f"block {b}" if b < self.n_layers else f"MTP block {b - self.n_layers + 1}"
 
 
+@dataclass(frozen=True)
+class _Shares:
+    """What one GPU's plan is made of: its tokens per micro-batch and the parameter counts it holds."""
+
+    T: int  # tokens per micro-batch per GPU
+    total: int  # every parameter
+    root: int  # embedding, output head, final norm
+    embedding: int
+    blocks: list[tuple[int, int]]  # (dense, routed experts) per block, MTP blocks (MoE) last
+    local: list[float]  # per block, the parameters a GPU computes with
+    shard: list[float]  # per block, a GPU's share of the parameters
+    sharded_total: float  # a GPU's share of every parameter
+
+
+def _shares(cfg: Config, gpus: int, n_blocks: int) -> _Shares:
+    mc, t, ep = cfg.model_config(), cfg.train, cfg.parallel.ep
+    dense, experts = dense_and_expert_params(mc)
+    root = root_params(mc)
+    blocks = [block_params(mc, b >= mc.n_dense_layers) for b in range(n_blocks)]
+    # FSDP2 splits an expert stack's E/ep experts over its gpus/ep ranks with torch.chunk and pads every rank's share
+    # to the largest: ceil((E/ep) / (gpus/ep)) experts, more than an even split where gpus/ep does not divide E/ep
+    rank_experts = -(-mc.n_routed_experts // ep // (gpus // ep))
+    shard = [bd / gpus + be / max(mc.n_routed_experts, 1) * rank_experts for bd, be in blocks]
+    return _Shares(T=t.micro_batch * t.seq_len, total=dense + experts, root=root, embedding=mc.vocab_size * mc.dim,
+                   blocks=blocks, local=[bd + be / ep for bd, be in blocks], shard=shard,
+                   sharded_total=root / gpus + sum(shard))
+
+
+Add = Callable[[str, str, float, int, int], None]  # (line, name, bytes, first phase, last phase)
+
+
 def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
     """Everything the trainer keeps alive on one GPU, with its lifetime (see the module docstring)."""
-    mc, t, p = cfg.model_config(), cfg.train, cfg.parallel
-    ep, efsdp, kinds = p.ep, gpus // p.ep, range(len(tl.forward))
-    T, d, V, n = t.micro_batch * t.seq_len, mc.dim, mc.vocab_size, tl.n_blocks
-    dense, experts = dense_and_expert_params(mc)
-    total, root, embedding = dense + experts, root_params(mc), V * mc.dim
-    blocks = [block_params(mc, b >= mc.n_dense_layers) for b in range(n)]  # (dense, routed experts); MTP: MoE
-    local = [bd + be / ep for bd, be in blocks]  # the parameters a GPU computes with
-    # FSDP2 splits an expert stack's E/ep experts over its efsdp ranks with torch.chunk and pads every rank's share to
-    # the largest: ceil((E/ep) / efsdp) experts, more than an even split where efsdp does not divide E/ep
-    rank_experts = -(-mc.n_routed_experts // ep // efsdp)
-    shard = [bd / gpus + be / max(mc.n_routed_experts, 1) * rank_experts for bd, be in blocks]  # a GPU's share
-    sharded_total = root / gpus + sum(shard)
-    always, step = (0, tl.step), tl.step
-    later = kinds[-1]  # the last micro-batch's phases (the first one's, with one micro-batch)
+    shares = _shares(cfg, gpus, tl.n_blocks)
     table: list[Tensor] = []
 
     def add(line: str, name: str, nbytes: float, first: int, last: int) -> None:
         if nbytes:
             table.append(Tensor(line, name, nbytes, first, last))
 
-    state_bytes = {"fp32": 4, "bf16": 2}[t.optimizer_state_dtype]
-    add("parameters", f"fp32 parameters, sharded over {gpus}", 4 * sharded_total, *always)
-    add("optimizer states", f"AdamW's two moments in {t.optimizer_state_dtype}", 2 * state_bytes * sharded_total,
-        *always)
-    add("overhead", "cuBLAS, cuDNN and compiled-kernel workspaces", OVERHEAD_GIB * GIB, *always)
+    _add_state(add, cfg, gpus, tl, shares)
+    _add_compute_weights(add, cfg, gpus, tl, shares)
+    if gpus > 1:
+        _add_fsdp_gradients(add, cfg, gpus, tl, shares)
+    else:
+        _add_one_gpu_gradients(add, tl, shares)
+    _add_activations(add, cfg, gpus, tl, shares)
+    _add_loss(add, cfg, tl, shares)
+    return table
 
-    # bf16 compute weights: on one GPU, copies of every weight (dsv3.optim.ComputeCopies), kept across steps. Under
-    # FSDP2, the root (embedding, head) unsharded from its forward to the end of its backward; a block unsharded from
-    # the previous block's forward (prefetch) through its own, and from the next block's backward through its own.
-    # Its routed experts are an FSDP unit of their own: at ep 1 gathered as early (the host runs ahead); under EP
-    # only when they run, the host having waited for the split sizes (parallel.apply_fsdp prefetches the blocks'
-    # own units); on a one-rank mesh (ep = GPUs) cast in forward and not resharded until their backward ends.
+
+def _add_state(add: Add, cfg: Config, gpus: int, tl: _Timeline, s: _Shares) -> None:
+    """What lives through the whole step: fp32 parameters, AdamW's moments, library workspaces."""
+    dtype = cfg.train.optimizer_state_dtype
+    state_bytes = {"fp32": 4, "bf16": 2}[dtype]
+    add("parameters", f"fp32 parameters, sharded over {gpus}", 4 * s.sharded_total, 0, tl.step)
+    add("optimizer states", f"AdamW's two moments in {dtype}", 2 * state_bytes * s.sharded_total, 0, tl.step)
+    add("overhead", "cuBLAS, cuDNN and compiled-kernel workspaces", OVERHEAD_GIB * GIB, 0, tl.step)
+
+
+def _add_compute_weights(add: Add, cfg: Config, gpus: int, tl: _Timeline, s: _Shares) -> None:
+    """bf16 compute weights: on one GPU, copies of every weight (dsv3.optim.ComputeCopies), kept across steps. Under
+    FSDP2, the root (embedding, head) unsharded from its forward to the end of its backward; a block unsharded from
+    the previous block's forward (prefetch) through its own, and from the next block's backward through its own.
+    Its routed experts are an FSDP unit of their own: at ep 1 gathered as early (the host runs ahead); under EP
+    only when they run, the host having waited for the split sizes (parallel.apply_fsdp prefetches the blocks'
+    own units); on a one-rank mesh (ep = GPUs) cast in forward and not resharded until their backward ends."""
+    ep, n, line = cfg.parallel.ep, tl.n_blocks, "bf16 compute weights"
     if gpus == 1:
-        add("bf16 compute weights", "bf16 copies of every weight", 2 * total, *always)
-    for k in kinds if gpus > 1 else []:
-        add("bf16 compute weights", "root, unsharded", 2 * root, tl.forward[k][0], tl.embedding[k])
-        for b, (bd, be) in enumerate(blocks):
+        add(line, "bf16 copies of every weight", 2 * s.total, 0, tl.step)
+        return
+    for k in range(len(tl.forward)):
+        forward, backward, handed_on = tl.forward[k], tl.backward[k], tl.handed_on[k]
+        add(line, "root, unsharded", 2 * s.root, forward[0], tl.embedding[k])
+        for b, (bd, be) in enumerate(s.blocks):
             ahead = bd + (be if ep == 1 else 0)
-            add("bf16 compute weights", f"{tl.name(b)}, unsharded for forward", 2 * ahead,
-                tl.forward[k][max(b - 1, 0)], tl.forward[k][b])
-            add("bf16 compute weights", f"{tl.name(b)}, unsharded for backward", 2 * ahead,
-                tl.backward[k][min(b + 1, n - 1)], tl.handed_on[k][b])
-            if ep > 1 and efsdp > 1:
-                add("bf16 compute weights", f"{tl.name(b)}, experts unsharded for forward", 2 * be / ep,
-                    tl.forward[k][b], tl.forward[k][b])
-                add("bf16 compute weights", f"{tl.name(b)}, experts unsharded for backward", 2 * be / ep,
-                    tl.backward[k][b], tl.handed_on[k][b])
+            add(line, f"{tl.name(b)}, unsharded for forward", 2 * ahead, forward[max(b - 1, 0)], forward[b])
+            add(line, f"{tl.name(b)}, unsharded for backward", 2 * ahead, backward[min(b + 1, n - 1)], handed_on[b])
+            if ep > 1 and gpus > ep:
+                add(line, f"{tl.name(b)}, experts unsharded for forward", 2 * be / ep, forward[b], forward[b])
+                add(line, f"{tl.name(b)}, experts unsharded for backward", 2 * be / ep, backward[b], handed_on[b])
             elif ep > 1:
-                add("bf16 compute weights", f"{tl.name(b)}, experts kept unsharded", 2 * be / ep, tl.forward[k][b],
-                    tl.handed_on[k][b])
+                add(line, f"{tl.name(b)}, experts kept unsharded", 2 * be / ep, forward[b], handed_on[b])
 
-    # Gradients. Blocks run backward from the last; the root's head gradient arrives with the first (the chunked loss
-    # computed it in forward), its embedding gradient at the end.
+
+def _add_one_gpu_gradients(add: Add, tl: _Timeline, s: _Shares) -> None:
+    """One GPU: with one micro-batch, bf16 gradients on the compute copies, read by the optimizer step; with several,
+    each bf16 gradient folded into fp32 accumulators (p.grad) as soon as autograd writes it. Blocks run backward
+    from the last; the root's head gradient arrives with the first (the chunked loss computed it in forward), its
+    embedding gradient at the end."""
+    n, kinds, step = tl.n_blocks, range(len(tl.forward)), tl.step
+    rest = s.root - s.embedding
+    if len(kinds) == 1:
+        for b in range(n):
+            add("gradients", f"{tl.name(b)}: bf16 gradient", 2 * s.local[b], tl.backward[0][b], step)
+        add("gradients", "root: bf16 gradient but the embedding's", 2 * rest, tl.backward[0][n - 1], step)
+        add("gradients", "embedding: bf16 gradient", 2 * s.embedding, tl.embedding[0], step)
+        return
+    for b in range(n):
+        add("gradients", f"{tl.name(b)}: fp32 accumulator", 4 * s.local[b], tl.backward[0][b], step)
+        for k in kinds:
+            add("gradients", f"{tl.name(b)}: bf16 gradient until folded", 2 * s.local[b], tl.backward[k][b],
+                tl.backward[k][b])
+    add("gradients", "root: fp32 accumulators but the embedding's", 4 * rest, tl.backward[0][n - 1], step)
+    add("gradients", "embedding: fp32 accumulator", 4 * s.embedding, tl.embedding[0], step)
+    for k in kinds:
+        add("gradients", "embedding: bf16 gradient until folded", 2 * s.embedding, tl.embedding[k], tl.embedding[k])
+
+
+def _add_fsdp_gradients(add: Add, cfg: Config, gpus: int, tl: _Timeline, s: _Shares) -> None:
+    """FSDP2: a block's unsharded bf16 gradient, then its fp32 reduce-scatter input, in flight through the next
+    block's backward (torch keeps one); the fp32 sharded gradients sum over micro-batches until the step. With
+    accumulate_unsharded_grads, every micro-batch but the last adds into fp32 unsharded gradients instead."""
+    n, kinds, step = tl.n_blocks, range(len(tl.forward)), tl.step
+    later = kinds[-1]  # the last micro-batch's phases (the first one's, with one micro-batch)
+    unsharded = cfg.parallel.accumulate_unsharded_grads and len(kinds) > 1
+
     def next_after(k: int, b: int) -> int:  # the phase after block b's hand-over
         return tl.backward[k][b - 1] if b else tl.embedding[k]
 
-    several = len(kinds) > 1  # micro-batches
-    if gpus == 1 and not several:  # bf16 gradients on the compute copies, read by the optimizer step
-        for b in range(n):
-            add("gradients", f"{tl.name(b)}: bf16 gradient", 2 * local[b], tl.backward[0][b], step)
-        add("gradients", "root: bf16 gradient but the embedding's", 2 * (root - embedding), tl.backward[0][n - 1], step)
-        add("gradients", "embedding: bf16 gradient", 2 * embedding, tl.embedding[0], step)
-    elif gpus == 1:  # each bf16 gradient is folded into fp32 accumulators (p.grad) as soon as autograd writes it
-        for b in range(n):
-            add("gradients", f"{tl.name(b)}: fp32 accumulator", 4 * local[b], tl.backward[0][b], step)
-            for k in kinds:
-                add("gradients", f"{tl.name(b)}: bf16 gradient until folded", 2 * local[b], tl.backward[k][b],
-                    tl.backward[k][b])
-        add("gradients", "root: fp32 accumulators but the embedding's", 4 * (root - embedding), tl.backward[0][n - 1],
-            step)
-        add("gradients", "embedding: fp32 accumulator", 4 * embedding, tl.embedding[0], step)
-        for k in kinds:
-            add("gradients", "embedding: bf16 gradient until folded", 2 * embedding, tl.embedding[k], tl.embedding[k])
-    else:
-        # FSDP2: a block's unsharded bf16 gradient, then its fp32 reduce-scatter input, in flight through the next
-        # block's backward (torch keeps one); the fp32 sharded gradients sum over micro-batches until the step. With
-        # accumulate_unsharded_grads, every micro-batch but the last adds into fp32 unsharded gradients instead.
-        unsharded = p.accumulate_unsharded_grads and several
-        for b in range(n):
-            for k in kinds:
-                add("gradients", f"{tl.name(b)}: unsharded bf16 gradient", 2 * local[b], tl.backward[k][b],
-                    tl.handed_on[k][b])
-                if k == later or not unsharded:
-                    add("gradients", f"{tl.name(b)}: fp32 reduce-scatter input", 4 * local[b], tl.handed_on[k][b],
-                        next_after(k, b))
-            reduced_at = tl.handed_on[later if unsharded else 0][b]
-            if unsharded:
-                add("gradients", f"{tl.name(b)}: fp32 unsharded accumulator", 4 * local[b], tl.handed_on[0][b],
-                    reduced_at)
-            add("gradients", f"{tl.name(b)}: fp32 sharded gradient", 4 * shard[b], reduced_at, step)
-        for k in kinds:
-            add("gradients", "root: unsharded bf16 gradient but the embedding's", 2 * (root - embedding),
-                tl.backward[k][n - 1], tl.embedding[k])
-            add("gradients", "embedding: unsharded bf16 gradient", 2 * embedding, tl.embedding[k], tl.embedding[k])
-            if k == later or not unsharded:
-                add("gradients", "root: fp32 reduce-scatter input", 4 * root, tl.embedding[k], tl.embedding[k])
-        if unsharded:
-            add("gradients", "root: fp32 unsharded accumulator", 4 * root, tl.embedding[0], tl.embedding[later])
-        add("gradients", "root: fp32 sharded gradient", 4 * root / gpus, tl.embedding[later if unsharded else 0], step)
-
-    # Activations: what each block saves for backward by AC mode, from its forward to its backward; under AC, its
-    # recompute restores the whole no-AC set in its own backward. EP's received token copies on a line of their own.
-    mode = t.activation_checkpoint
     for b in range(n):
-        moe = b >= mc.n_dense_layers
-        saved, saved_local = (_saved_per_token(mc, moe, e, p.ep_backend, _around_checkpoint(mc, gpus)) for e in (ep, 1))
-        kept, kept_local = (ACTIVATION_FACTOR * 2 * T * s[mode] for s in (saved, saved_local))
-        recomputed = ACTIVATION_FACTOR * 2 * T * saved["none"] - kept
-        line = "activations" if b < tl.n_layers else "mtp"
         for k in kinds:
+            add("gradients", f"{tl.name(b)}: unsharded bf16 gradient", 2 * s.local[b], tl.backward[k][b],
+                tl.handed_on[k][b])
+            if k == later or not unsharded:
+                add("gradients", f"{tl.name(b)}: fp32 reduce-scatter input", 4 * s.local[b], tl.handed_on[k][b],
+                    next_after(k, b))
+        reduced_at = tl.handed_on[later if unsharded else 0][b]
+        if unsharded:
+            add("gradients", f"{tl.name(b)}: fp32 unsharded accumulator", 4 * s.local[b], tl.handed_on[0][b],
+                reduced_at)
+        add("gradients", f"{tl.name(b)}: fp32 sharded gradient", 4 * s.shard[b], reduced_at, step)
+    for k in kinds:
+        add("gradients", "root: unsharded bf16 gradient but the embedding's", 2 * (s.root - s.embedding),
+            tl.backward[k][n - 1], tl.embedding[k])
+        add("gradients", "embedding: unsharded bf16 gradient", 2 * s.embedding, tl.embedding[k], tl.embedding[k])
+        if k == later or not unsharded:
+            add("gradients", "root: fp32 reduce-scatter input", 4 * s.root, tl.embedding[k], tl.embedding[k])
+    if unsharded:
+        add("gradients", "root: fp32 unsharded accumulator", 4 * s.root, tl.embedding[0], tl.embedding[later])
+    add("gradients", "root: fp32 sharded gradient", 4 * s.root / gpus, tl.embedding[later if unsharded else 0], step)
+
+
+def _add_activations(add: Add, cfg: Config, gpus: int, tl: _Timeline, s: _Shares) -> None:
+    """What each block saves for backward by AC mode, from its forward to its backward; under AC, its recompute
+    restores the whole no-AC set in its own backward. EP's received token copies on a line of their own."""
+    mc, mode = cfg.model_config(), cfg.train.activation_checkpoint
+    ep, backend = cfg.parallel.ep, cfg.parallel.ep_backend
+    for b in range(tl.n_blocks):
+        moe = b >= mc.n_dense_layers
+        saved, saved_local = (_saved_per_token(mc, moe, e, backend, _around_checkpoint(mc, gpus)) for e in (ep, 1))
+        kept, kept_local = (ACTIVATION_FACTOR * 2 * s.T * per_token[mode] for per_token in (saved, saved_local))
+        recomputed = ACTIVATION_FACTOR * 2 * s.T * saved["none"] - kept
+        line = "activations" if b < tl.n_layers else "mtp"
+        for k in range(len(tl.forward)):
             first, last = tl.forward[k][b], tl.backward[k][b]
             add(line, f"{tl.name(b)}: saved for backward ({mode} AC)", kept_local, first, last)
             add("ep receive buffers", f"{tl.name(b)}: received token copies", kept - kept_local, first, last)
             if mode != "none":
                 add(line, f"{tl.name(b)}: recomputed in backward", recomputed, last, last)
 
-    # The chunked loss (dsv3.loss.linear_cross_entropy): in its forward one chunk's bf16 logits and their gradient
-    # and, over several chunks, the head gradient accumulating in fp32; kept for backward its [T, D] input gradient
-    # and bf16 head gradient, until autograd reaches it (the MTP losses first, then the main one).
-    chunk, fp32_sum = min(T, LOSS_CHUNK), T > LOSS_CHUNK
+
+def _add_loss(add: Add, cfg: Config, tl: _Timeline, s: _Shares) -> None:
+    """The chunked loss (dsv3.loss.linear_cross_entropy): in its forward one chunk's bf16 logits and their gradient
+    and, over several chunks, the head gradient accumulating in fp32; kept for backward its [T, D] input gradient
+    and bf16 head gradient, until autograd reaches it (the MTP losses first, then the main one)."""
+    mc = cfg.model_config()
+    d, V = mc.dim, mc.vocab_size
+    chunk, fp32_sum = min(s.T, LOSS_CHUNK), s.T > LOSS_CHUNK
     in_forward = "chunk logits and fp32 head gradient" if fp32_sum else "logits and their gradient"
-    for k in kinds:
+    for k in range(len(tl.forward)):
         for depth in range(mc.n_mtp_layers + 1):
             line = "mtp" if depth else "loss (chunked)"
             reached = tl.backward[k][tl.n_layers - 1 + depth]
             add(line, f"loss {depth}: {in_forward}",
                 2 * 2 * chunk * V + 4 * V * d * fp32_sum, tl.loss[k][depth], tl.loss[k][depth])
-            add(line, f"loss {depth}: input and head gradients for backward", 2 * T * d + 2 * V * d,
+            add(line, f"loss {depth}: input and head gradients for backward", 2 * s.T * d + 2 * V * d,
                 tl.loss[k][depth], reached)
-    return table
 
 
 def exchanges_per_moe_layer(activation_checkpoint: str) -> int:
@@ -345,21 +392,46 @@ def exchanges_per_moe_layer(activation_checkpoint: str) -> int:
 def _step_time(cfg: Config, gpus: int, kind: GPU, micro_batches: int) -> dict[str, float]:
     """Seconds per optimizer step, itemised: compute per block, the optimizer, EP's exchanges, and what of FSDP2's
     collectives the neighbouring block's compute cannot hide."""
-    mc, t, p = cfg.model_config(), cfg.train, cfg.parallel
-    ep, efsdp = p.ep, gpus // p.ep
-    T, d, n = t.micro_batch * t.seq_len, mc.dim, mc.n_layers + mc.n_mtp_layers
-    dense, experts = dense_and_expert_params(mc)
-    root = root_params(mc)
-    hbm = kind.hbm_tb_s * 1e12
+    blocks = _block_times(cfg, gpus, kind)
+    time = {item: micro_batches * sum(s) for item, s in blocks.items.items()}
+    time["elementwise, routing, loss"] += micro_batches * _head_and_loss_s(cfg, gpus, kind)
+    time["optimizer"], time["gradient accumulation"] = _optimizer_s(cfg, gpus, kind, micro_batches)
+    reducing = 1 if cfg.parallel.accumulate_unsharded_grads else micro_batches
+    time["FSDP exposed"] = (reducing * _fsdp_exposed_s(cfg, gpus, kind, blocks, reduce=True)
+                            + (micro_batches - reducing) * _fsdp_exposed_s(cfg, gpus, kind, blocks, reduce=False))
+    time["EP all-to-all"] = micro_batches * _ep_exchange_s(cfg, kind)
+    return time
+
+
+@dataclass
+class _BlockTimes:
+    """Per block, one micro-batch: forward + backward seconds by kind of work, and the bytes FSDP2 moves for it."""
+
+    items: dict[str, list[float]]
+    prefetched: list[float]  # all-gathered with the blocks (bf16)
+    gathered_late: list[float]  # experts all-gathered only when they run (EP; bf16)
+    reduces: list[float]  # reduce-scattered (fp32)
+
+    @property
+    def forward(self) -> list[float]:
+        compute = [sum(s) for s in zip(*self.items.values())]
+        return [(c - r) / 3 for c, r in zip(compute, self.items["AC recompute"])]
+
+    @property
+    def backward(self) -> list[float]:
+        return [sum(s) - f for s, f in zip(zip(*self.items.values()), self.forward)]
+
+
+def _block_times(cfg: Config, gpus: int, kind: GPU) -> _BlockTimes:
+    """FLOPs at the kind's measured rates, memory-bound work over HBM bandwidth, each block's recompute."""
+    mc, t, ep = cfg.model_config(), cfg.train, cfg.parallel.ep
+    T, d, hbm = t.micro_batch * t.seq_len, mc.dim, kind.hbm_tb_s * 1e12
     attention_matmul = attention_params(mc) - mc.q_lora_rank - mc.kv_lora_rank  # less the latent norms' scales
     expert_matmul = mc.n_activated_experts * 3 * d * mc.moe_inter_dim
     attention_flops = 3 * mc.n_heads * (mc.qk_head_dim + mc.v_head_dim) * t.seq_len * T  # forward + backward
-
-    # per block: forward + backward seconds by kind of work, and the bytes FSDP2 moves for it
-    items = {"dense GEMMs": [], "expert GEMMs": [], "attention": [], "elementwise, routing, loss": [],
-             "AC recompute": []}
-    prefetched, gathered_late, reduces = [], [], []  # bytes per block
-    for b in range(n):
+    times = _BlockTimes({"dense GEMMs": [], "expert GEMMs": [], "attention": [], "elementwise, routing, loss": [],
+                         "AC recompute": []}, [], [], [])
+    for b in range(mc.n_layers + mc.n_mtp_layers):
         moe = b >= mc.n_dense_layers
         block_dense, block_experts = block_params(mc, moe)
         matmul = attention_matmul + (block_dense - 2 * d - attention_params(mc) if moe else 3 * d * mc.inter_dim)
@@ -377,68 +449,74 @@ def _step_time(cfg: Config, gpus: int, kind: GPU, micro_batches: int) -> dict[st
         inside = moe and not _around_checkpoint(mc, gpus)
         recompute = {"none": 0.0, "selective": ((dense_s if inside else 0.0) + activation_s) / 3,
                      "full": (dense_s + expert_s + attention_s + activation_s) / 3}[t.activation_checkpoint]
-        for item, s in zip(items, (dense_s, expert_s, attention_s, activation_s + casts_s, recompute)):
-            items[item].append(s)
+        for item, s in zip(times.items, (dense_s, expert_s, attention_s, activation_s + casts_s, recompute)):
+            times.items[item].append(s)
         # elements a GPU receives in the ring all-gather (bf16) and sends in the reduce-scatter (fp32)
         dense_moved = block_dense * (gpus - 1) / gpus
-        experts_moved = block_experts / ep * (efsdp - 1) / efsdp
+        experts_moved = block_experts / ep * (gpus // ep - 1) / (gpus // ep)
         if ep == 1:
             dense_moved, experts_moved = dense_moved + experts_moved, 0.0
-        prefetched.append(2 * dense_moved)
-        gathered_late.append(2 * experts_moved)
-        reduces.append(4 * (dense_moved + experts_moved))
-    compute = [sum(s[b] for s in items.values()) for b in range(n)]
-    forward = [(c - r) / 3 for c, r in zip(compute, items["AC recompute"])]
-    backward = [c - f for c, f in zip(compute, forward)]
-    # the output head's GEMMs (main and each MTP depth), the loss's softmax over the vocabulary, the root's casts
-    heads = 1 + mc.n_mtp_layers
-    loss_s = (6 * heads * d * mc.vocab_size * T / (kind.dense_tflops * 1e12)
-              + 2 * T * heads * mc.vocab_size / (OTHER_HBM_EFFICIENCY * hbm)
-              + (14 * root / (FSDP_CAST_HBM_EFFICIENCY * hbm) if gpus > 1 else 0.0))
+        times.prefetched.append(2 * dense_moved)
+        times.gathered_late.append(2 * experts_moved)
+        times.reduces.append(4 * (dense_moved + experts_moved))
+    return times
 
-    # FSDP2 per micro-batch: the root's and block 0's all-gathers open the forward, exposed; block b+1's all-gather
-    # runs behind block b's forward. The first backward block is gathered again, exposed; then block b−1's
-    # all-gather and block b+1's reduce-scatter run behind block b's backward; block 0's and the root's
-    # reduce-scatters close it, exposed. Experts gathered only when they run (EP, see _memory_table) are exposed. A
-    # micro-batch that does not reduce (accumulate_unsharded_grads) moves no reduce-scatter.
+
+def _head_and_loss_s(cfg: Config, gpus: int, kind: GPU) -> float:
+    """One micro-batch: the output head's GEMMs (main and each MTP depth), the loss's softmax over the vocabulary,
+    the root's casts."""
+    mc, t = cfg.model_config(), cfg.train
+    T, hbm, heads = t.micro_batch * t.seq_len, kind.hbm_tb_s * 1e12, 1 + mc.n_mtp_layers
+    return (6 * heads * mc.dim * mc.vocab_size * T / (kind.dense_tflops * 1e12)
+            + 2 * T * heads * mc.vocab_size / (OTHER_HBM_EFFICIENCY * hbm)
+            + (14 * root_params(mc) / (FSDP_CAST_HBM_EFFICIENCY * hbm) if gpus > 1 else 0.0))
+
+
+def _fsdp_exposed_s(cfg: Config, gpus: int, kind: GPU, blocks: _BlockTimes, reduce: bool) -> float:
+    """FSDP2 per micro-batch: the root's and block 0's all-gathers open the forward, exposed; block b+1's all-gather
+    runs behind block b's forward. The first backward block is gathered again, exposed; then block b−1's
+    all-gather and block b+1's reduce-scatter run behind block b's backward; block 0's and the root's
+    reduce-scatters close it, exposed. Experts gathered only when they run (EP, see _add_compute_weights) are
+    exposed. A micro-batch that does not reduce (accumulate_unsharded_grads) moves no reduce-scatter."""
+    if gpus == 1:
+        return 0.0
     link = (kind.nvlink_gb_s if gpus <= kind.gpus_per_node else INFINIBAND_GB_S) * 1e9 * COLLECTIVE_EFFICIENCY
-    root_moved = root * (gpus - 1) / gpus
+    root_moved = root_params(cfg.model_config()) * (gpus - 1) / gpus
+    prefetched, forward, backward, n = blocks.prefetched, blocks.forward, blocks.backward, len(blocks.prefetched)
+    rs = blocks.reduces if reduce else [0.0] * n
+    exposed = (2 * root_moved + prefetched[0] + prefetched[-1] + 2 * sum(blocks.gathered_late)) / link
+    exposed += sum(max(0.0, prefetched[b + 1] / link - forward[b]) for b in range(n - 1))
+    exposed += sum(max(0.0, ((prefetched[b - 1] if b else 0.0) + (rs[b + 1] if b + 1 < n else 0.0)) / link
+                       - backward[b]) for b in range(n))
+    return exposed + (rs[0] + (4 * root_moved if reduce else 0.0)) / link
 
-    def fsdp_exposed(reduce: bool) -> float:
-        if gpus == 1:
-            return 0.0
-        rs = reduces if reduce else [0.0] * n
-        exposed = (2 * root_moved + prefetched[0] + prefetched[-1] + 2 * sum(gathered_late)) / link
-        exposed += sum(max(0.0, prefetched[b + 1] / link - forward[b]) for b in range(n - 1))
-        exposed += sum(max(0.0, ((prefetched[b - 1] if b else 0.0) + (rs[b + 1] if b + 1 < n else 0.0)) / link
-                           - backward[b]) for b in range(n))
-        return exposed + (rs[0] + (4 * root_moved if reduce else 0.0)) / link
 
-    reducing = 1 if p.accumulate_unsharded_grads else micro_batches
-    fsdp_s = reducing * fsdp_exposed(True) + (micro_batches - reducing) * fsdp_exposed(False)
-    # EP: dispatch and combine, forward and backward (full AC exchanges again in its recompute); copies to ranks in
-    # the node go over NVLink, the rest over InfiniBand
-    exchanges = exchanges_per_moe_layer(t.activation_checkpoint)
+def _ep_exchange_s(cfg: Config, kind: GPU) -> float:
+    """EP per micro-batch: dispatch and combine, forward and backward (full AC exchanges again in its recompute);
+    copies to ranks in the node go over NVLink, the rest over InfiniBand."""
+    mc, t, ep = cfg.model_config(), cfg.train, cfg.parallel.ep
+    if ep == 1:
+        return 0.0
     in_node = min(ep, kind.gpus_per_node)
     per_byte = ((in_node - 1) / ep / kind.nvlink_gb_s + (ep - in_node) / ep / INFINIBAND_GB_S) / 1e9
-    n_moe = n - mc.n_dense_layers
-    ep_s = n_moe * exchanges * T * mc.n_activated_experts * d * 2 * per_byte / ALL_TO_ALL_EFFICIENCY if ep > 1 else 0.0
-    # AdamW reads the parameter, gradient and moments and writes parameter and moments (one GPU: and the bf16 copy);
-    # the gradient is bf16 on one GPU with one micro-batch, else fp32
-    state_bytes = {"fp32": 4, "bf16": 2}[t.optimizer_state_dtype]
+    moved = t.micro_batch * t.seq_len * mc.n_activated_experts * mc.dim * 2  # bf16 token copies per exchange
+    n_moe = mc.n_layers + mc.n_mtp_layers - mc.n_dense_layers
+    return n_moe * exchanges_per_moe_layer(t.activation_checkpoint) * moved * per_byte / ALL_TO_ALL_EFFICIENCY
+
+
+def _optimizer_s(cfg: Config, gpus: int, kind: GPU, micro_batches: int) -> tuple[float, float]:
+    """The optimizer step and (one GPU, several micro-batches) the gradients' folds into fp32 accumulators, both
+    streams over HBM. AdamW reads the parameter, gradient and moments and writes parameter and moments (one GPU:
+    and the bf16 copy); the gradient is bf16 on one GPU with one micro-batch, else fp32. The first micro-batch
+    writes each accumulator (2 + 4 bytes), every later one reads and writes it too (2 + 8)."""
+    params, hbm = sum(dense_and_expert_params(cfg.model_config())), kind.hbm_tb_s * 1e12
+    state_bytes = {"fp32": 4, "bf16": 2}[cfg.train.optimizer_state_dtype]
     grad_bytes = 2 if gpus == 1 and micro_batches == 1 else 4
     step_bytes = 8 + grad_bytes + 4 * state_bytes + (2 if gpus == 1 else 0)
     efficiency = OPTIMIZER_HBM_EFFICIENCY["dsv3" if gpus == 1 or state_bytes == 2 else "torch"]
-    time = {item: micro_batches * sum(s) for item, s in items.items()}
-    time["elementwise, routing, loss"] += micro_batches * loss_s
-    time["optimizer"] = (dense + experts) / gpus * step_bytes / (efficiency * hbm)
-    # one GPU, several micro-batches: each bf16 gradient is folded into its fp32 accumulator (the first micro-batch
-    # writes it: 2 + 4 bytes, every later one reads and writes it too: 2 + 8), a stream like the optimizer's
     folded_bytes = 6 + 10 * (micro_batches - 1) if gpus == 1 and micro_batches > 1 else 0
-    time["gradient accumulation"] = (dense + experts) * folded_bytes / (OPTIMIZER_HBM_EFFICIENCY["dsv3"] * hbm)
-    time["FSDP exposed"] = fsdp_s
-    time["EP all-to-all"] = micro_batches * ep_s
-    return time
+    return (params / gpus * step_bytes / (efficiency * hbm),
+            params * folded_bytes / (OPTIMIZER_HBM_EFFICIENCY["dsv3"] * hbm))
 
 
 @dataclass
