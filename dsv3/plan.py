@@ -16,6 +16,7 @@ micro-batch. Rates and link speeds are data with their sources (`GPUS`, `INFINIB
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -173,7 +174,7 @@ class _Timeline:
         self.n_layers, self.n_blocks = n_layers, n_layers + n_mtp
         kinds = ["micro-batch 1"]
         if micro_batches > 1:
-            kinds.append("micro-batch 2" if micro_batches == 2 else f"micro-batches 2-{micro_batches}")
+            kinds.append("micro-batch 2" if micro_batches == 2 else f"each of micro-batches 2 to {micro_batches}")
         self.phases: list[str] = []
         self.forward, self.loss, self.backward, self.handed_on, self.embedding = [], [], [], [], []
         for kind in kinds:
@@ -629,39 +630,98 @@ def gpu_kind(device_name: str) -> str:
     return next((kind for kind in ("b200", "h200", "h100") if kind in name), "h100")
 
 
-def _fixes(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) -> list[tuple[str, Plan]]:
-    """Single changes that make the plan fit (AC mode, ep, a smaller micro-batch) and that the run accepts (DeepEP's
-    ep, the low-precision GEMMs' token multiple), the fastest planned step first."""
-    t, p = cfg.train, cfg.parallel
+# What --search varies: the layout of a run on given GPUs, every other setting as the config has it
+LAYOUT = (("parallel", "ep"), ("train", "micro_batch"), ("train", "activation_checkpoint"),
+          ("train", "optimizer_state_dtype"))
+_AC_MODES = ("none", "selective", "full")
+
+
+def layout_flags(cfg: Config) -> str:
+    """The config's layout as the overrides that select it: `--parallel.ep=1 --train.micro_batch=4 ...`."""
+    return " ".join(f"--{section}.{key}={getattr(getattr(cfg, section), key)}" for section, key in LAYOUT)
+
+
+def _accepted(cfg: Config, gpus: int) -> dict[str, list]:
+    """Per LAYOUT key, the values the run accepts on `gpus` GPUs: an ep dividing the GPUs and the experts (with
+    DeepEP, one its kernels support), a micro-batch dividing each GPU's share of the global batch (in whole blocks
+    of the low-precision GEMMs' token multiple), every AC mode, both moment dtypes."""
+    t, backend = cfg.train, cfg.parallel.ep_backend
     n_experts = cfg.model_config().n_routed_experts
-    modes = ("none", "selective", "full")
-    candidates = [("train", "activation_checkpoint", mode)
-                  for mode in modes[modes.index(t.activation_checkpoint) + 1:]]
-    candidates += [("parallel", "ep", ep) for ep in range(p.ep + 1, gpus + 1)
-                   if gpus % ep == 0 and n_experts % ep == 0 and (p.ep_backend != "deepep" or ep in SUPPORTED_EP)]
     multiple = FEATURE_MULTIPLE.get(t.precision, 1)
-    candidates += [("train", "micro_batch", mb) for mb in range(t.micro_batch - 1, 0, -1)
-                   if t.global_batch % (mb * gpus) == 0 and mb * t.seq_len % multiple == 0]
+    return {"ep": [ep for ep in range(1, gpus + 1) if gpus % ep == 0 and n_experts % ep == 0
+                   and (ep == 1 or backend != "deepep" or ep in SUPPORTED_EP)],
+            "micro_batch": [mb for mb in range(1, t.global_batch // gpus + 1)
+                            if t.global_batch % (mb * gpus) == 0 and mb * t.seq_len % multiple == 0],
+            "activation_checkpoint": list(_AC_MODES), "optimizer_state_dtype": ["fp32", "bf16"]}
+
+
+def _changed(cfg: Config, changes: dict[str, object]) -> Config:
+    changed = copy.deepcopy(cfg)
+    for section, key in LAYOUT:
+        if key in changes:
+            setattr(getattr(changed, section), key, changes[key])
+    return changed
+
+
+def search(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) -> list[tuple[Config, Plan]]:
+    """Every layout of `cfg` the run accepts on `gpus` GPUs (LAYOUT's keys; each other setting as `cfg` has it) that
+    fits, the most planned tokens/s first."""
+    accepted = _accepted(cfg, gpus)
     found = []
-    for section, key, value in candidates:
-        changed = copy.deepcopy(cfg)
-        setattr(getattr(changed, section), key, value)
-        candidate = plan(changed, gpus, gpu, capacity_gib)
+    for values in itertools.product(*accepted.values()):
+        layout = _changed(cfg, dict(zip(accepted, values)))
+        planned = plan(layout, gpus, gpu, capacity_gib)
+        if planned.fits:
+            found.append((layout, planned))
+    return sorted(found, key=lambda found: -found[1].tokens_per_s_per_gpu)
+
+
+def bottleneck(p: Plan) -> str:
+    """The largest item of the step time and its share."""
+    item = max(p.time, key=p.time.get)
+    return f"{item} {p.time[item] / p.step_s:.0%}"
+
+
+def train_hours(cfg: Config, p: Plan) -> float:
+    """Hours for `train.steps` at the plan's tokens/s; a batch ramp's steps counted at its mean batch."""
+    t = cfg.train
+    ramp = min(t.batch_ramp_steps, t.steps)
+    sequences = ramp * (t.batch_ramp_start + t.global_batch) / 2 + (t.steps - ramp) * t.global_batch
+    return sequences * t.seq_len / (p.tokens_per_s_per_gpu * p.gpus) / 3600
+
+
+def _fixes(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) -> list[tuple[str, Plan]]:
+    """Single changes that make the plan fit (more AC, a larger ep, a smaller micro-batch) and that the run accepts
+    (`_accepted`), the fastest planned step first."""
+    t, accepted = cfg.train, _accepted(cfg, gpus)
+    candidates = [("activation_checkpoint", mode) for mode in _AC_MODES[_AC_MODES.index(t.activation_checkpoint) + 1:]]
+    candidates += [("ep", ep) for ep in accepted["ep"] if ep > cfg.parallel.ep]
+    candidates += [("micro_batch", mb) for mb in reversed(accepted["micro_batch"]) if mb < t.micro_batch]
+    found = []
+    for key, value in candidates:
+        candidate = plan(_changed(cfg, {key: value}), gpus, gpu, capacity_gib)
         if candidate.fits:
+            section = "parallel" if key == "ep" else "train"
             found.append((f"--{section}.{key}={value}", candidate))
     return sorted(found, key=lambda fix: fix[1].step_s)
 
 
 def advice(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) -> str:
-    """What to set when the plan cannot fit: up to three single changes that do, with their plans' memory."""
+    """What to set when the plan cannot fit: up to three single changes that do, with their plans' memory; then the
+    fastest layouts that fit (`search`)."""
     found = _fixes(cfg, gpus, gpu, capacity_gib)
-    if not found:
-        return "no single change of AC mode, ep or micro-batch fits: use more GPUs"
-    return "set " + "; or ".join(f"{flag} (plan: {fix.memory_gib_per_gpu:.1f} GiB)" for flag, fix in found[:3])
+    single = ("set " + "; or ".join(f"{flag} (plan: {fix.memory_gib_per_gpu:.1f} GiB)" for flag, fix in found[:3])
+              if found else "no single change of AC mode, ep or micro-batch fits")
+    layouts = search(cfg, gpus, gpu, capacity_gib)
+    if not layouts:
+        return f"{single}, and no layout of {', '.join(key for _, key in LAYOUT)} does: use more GPUs"
+    return (f"{single}; the fastest layouts that fit (scripts/plan.py --search):\n"
+            + "\n".join(f"  {layout_flags(layout)}  ({p.memory_gib_per_gpu:.1f} GiB, "
+                        f"{p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU)" for layout, p in layouts[:3]))
 
 
 def check_fits(cfg: Config, gpus: int, device_name: str, total_memory_bytes: int) -> Plan:
-    """The plan of `cfg` on this GPU; a UserError naming a fix (AC mode, ep, micro-batch) when it cannot fit."""
+    """The plan of `cfg` on this GPU; a UserError naming the fixes (`advice`) when it cannot fit."""
     kind, capacity_gib = gpu_kind(device_name), total_memory_bytes / GIB
     planned = plan(cfg, gpus, kind, capacity_gib)
     if planned.fits:

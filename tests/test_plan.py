@@ -10,7 +10,8 @@ import train
 from dsv3.config import FLAVORS, UserError, load_config, run_main
 from dsv3.model import Transformer
 from dsv3.metrics import block_params, dense_and_expert_params
-from dsv3.plan import COLLECTIVE_EFFICIENCY, FIT_FRACTION, GIB, INFINIBAND_GB_S, _fixes, check_fits, plan
+from dsv3.plan import (COLLECTIVE_EFFICIENCY, FIT_FRACTION, GIB, INFINIBAND_GB_S, _fixes, check_fits, layout_flags,
+                       plan, search, train_hours)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import plan as plan_cli  # noqa: E402  (scripts/plan.py)
@@ -239,8 +240,10 @@ def test_a_config_that_cannot_fit_is_refused_with_the_fix():
     cfg = load_config(CUT_16B, [])
     selective = plan(load_config(CUT_16B, ["--train.activation_checkpoint=selective"]), 1, "h100")
     between = (selective.memory_gib_per_gpu + plan(cfg, 1, "h100").memory_gib_per_gpu) / 2 / FIT_FRACTION
-    with pytest.raises(UserError, match="cannot fit.*--train.activation_checkpoint=selective"):
+    with pytest.raises(UserError, match="cannot fit.*--train.activation_checkpoint=selective") as refused:
         check_fits(cfg, 1, "NVIDIA H100 80GB HBM3", int(between * GIB))
+    fastest, _ = search(cfg, 1, "h100", between)[0]
+    assert f"the fastest layouts that fit (scripts/plan.py --search):\n  {layout_flags(fastest)}  (" in str(refused.value)
     with pytest.raises(UserError, match="use more GPUs"):
         check_fits(cfg, 1, "NVIDIA H100 80GB HBM3", int(20 * GIB))
 
@@ -301,7 +304,7 @@ def test_fixes_are_the_fastest_first_and_ones_the_run_would_accept():
 def test_cli_says_its_memory_lines_are_what_is_alive_at_the_peak(capsys):
     plan_cli.main(["--config", CUT_16B, "--gpus", "1", "--tensors"])
     out = capsys.readouterr().out
-    assert out.startswith("memory per GPU (1 × h100) at its peak, micro-batch 1, main loss: what is alive then\n")
+    assert "\nmemory per GPU (1 × h100) at its peak, micro-batch 1, main loss: what is alive then\n" in out
     assert "tensors alive at the peak" in out
     assert "block 3: saved for backward (none AC)  (micro-batch 1, forward of block 3 → micro-batch 1, backward of " \
            "block 3)" in out
@@ -326,3 +329,43 @@ def test_an_eager_run_is_told_its_activations_are_planned_as_compiled_blocks():
                        for on in ("true", "false"))
     assert not any("compile is off" in line for line in compiled.assumptions)
     assert any("compile is off: eager blocks save more" in line for line in eager.assumptions)
+
+
+def test_the_plan_header_echoes_its_layout_as_the_overrides_that_select_it(capsys):
+    plan_cli.main(["--config", "configs/671b.toml"])
+    out = capsys.readouterr().out
+    assert out.startswith("layout on 256 × h100: --parallel.ep=8 --train.micro_batch=4 "
+                          "--train.activation_checkpoint=full --train.optimizer_state_dtype=bf16\n"
+                          "  per GPU per step: 15 micro-batches of train.micro_batch=4 sequences × 4096 tokens "
+                          "(train.global_batch=15360 over 256 GPUs)")
+    assert "at its peak, each of micro-batches 2 to 15, " in out
+
+
+def test_search_ranks_every_accepted_layout_that_fits_fastest_first():
+    cfg = load_config("configs/16b.toml", [])
+    found = search(cfg, 8, "h100")
+    rates = [p.tokens_per_s_per_gpu for _, p in found]
+    assert rates == sorted(rates, reverse=True) and all(p.fits for _, p in found)
+    flags = [layout_flags(layout) for layout, _ in found]
+    assert len(set(flags)) == len(flags) and layout_flags(cfg) in flags
+    assert all(8 % layout.parallel.ep == 0 and 64 % (8 * layout.train.micro_batch) == 0 for layout, _ in found)
+    assert not any("--train.activation_checkpoint=none" in f and "--train.micro_batch=8" in f for f in flags)
+
+
+def test_training_time_is_the_runs_tokens_at_the_planned_rate():
+    cfg = load_config("configs/16b.toml", [])
+    p = plan(cfg, 8, "h100")
+    assert train_hours(cfg, p) == pytest.approx(10_000 * 64 * 4096 / (8 * p.tokens_per_s_per_gpu) / 3600)
+    ramped = load_config("configs/16b.toml", ["--train.batch_ramp_steps=10000", "--train.batch_ramp_start=32"])
+    assert train_hours(ramped, p) == pytest.approx(0.75 * train_hours(cfg, p))  # the ramp's mean: 48 of 64
+
+
+def test_cli_search_prints_the_fastest_layouts_with_memory_bottleneck_and_gpu_hours(capsys):
+    plan_cli.main(["--config", "configs/16b.toml", "--gpus", "8", "--search", "--top", "3",
+                   "--train.micro_batch=4"])
+    out = capsys.readouterr().out
+    assert "rank 3 of the 71 layouts that fit" in out
+    assert ("   1        21,476    1.11×     64.4      4.2 h         34  elementwise, routing, loss 34%\n"
+            "      --parallel.ep=1 --train.micro_batch=8 --train.activation_checkpoint=selective "
+            "--train.optimizer_state_dtype=bf16\n") in out
+    assert out.count("      --parallel.ep=") == 3
