@@ -49,7 +49,8 @@ def format_plan(cfg: Config, p: Plan, fix: str | None = None, tensors: bool = Fa
     """The plan as text; `fix`: what to set when it does not fit (dsv3.plan.advice)."""
     width = max(map(len, [*p.memory, *p.time]))
     peak = p.peak_phase
-    lines = [format_layout(cfg, p), f"memory per GPU ({p.gpus} × {p.gpu}) at its peak, {p.phases[peak]}: what is alive then"]
+    lines = [format_layout(cfg, p),
+             f"memory per GPU ({p.gpus} × {p.gpu}) at its peak, {p.phases[peak]}: what is alive then"]
     lines += [f"  {name:<{width}}  {gib:7.2f} GiB" for name, gib in p.memory.items()]
     lines.append(f"  {'total':<{width}}  {p.memory_gib_per_gpu:7.2f} GiB of {p.capacity_gib:.1f}: "
                  f"{'fits' if p.fits else 'does NOT fit'} (limit {FIT_FRACTION:.0%})")
@@ -78,12 +79,12 @@ def format_search(cfg: Config, p: Plan, found: list[tuple[Config, Plan]], top: i
                                           "does NOT fit"),
              f"the fastest layouts on {p.gpus} × {p.gpu} (every other setting as configured), "
              f"for train.steps={cfg.train.steps}:",
-             f"  {'#':>2}  {'tokens/s/GPU':>12}  {'vs this':>7}  {'GiB/GPU':>7}  {'time':>9}  {'GPU-hours':>9}  "
+             f"  {'#':>2}  {'tokens/s/GPU':>12}  {'vs this':>7}  {'GiB/GPU':>7}  {'time':>11}  {'GPU-hours':>9}  "
              f"bottleneck (share of the step)"]
     for i, (layout, q) in enumerate(found[:top], 1):
-        hours = train_hours(layout, q)
-        lines.append(f"  {i:>2}  {q.tokens_per_s_per_gpu:>12,.0f}  {q.tokens_per_s_per_gpu / p.tokens_per_s_per_gpu:>6.2f}×"
-                     f"  {q.memory_gib_per_gpu:>7.1f}  {_duration(hours):>9}  {hours * q.gpus:>9,.0f}  {bottleneck(q)}")
+        hours, speedup = train_hours(layout, q), q.tokens_per_s_per_gpu / p.tokens_per_s_per_gpu
+        lines.append(f"  {i:>2}  {q.tokens_per_s_per_gpu:>12,.0f}  {speedup:>6.2f}×  {q.memory_gib_per_gpu:>7.1f}  "
+                     f"{_duration(hours):>11}  {hours * q.gpus:>9,.0f}  {bottleneck(q)}")
         lines.append(f"      {layout_flags(layout)}")
     if not found:
         lines.append("  none fits: use more GPUs")

@@ -1,7 +1,10 @@
 import dataclasses
 import json
 import os
+import re
+import shlex
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,7 +100,7 @@ def test_plan_matches_measurement(path, overrides, gpus, kind, memory_gib, token
 
 # Four H200s of one host, EP 4, local batch 4 × 4096, balanced routing (scripts/bench.py --balanced-routing, docs/
 # performance.md#many-gpus): the planner must meet these within 10% (tokens/s) and 5% (memory), both dispatchers.
-EP4 = ["--parallel.ep=4", "--train.global_batch=16"]
+EP4 = ["--parallel.ep=4", "--train.global_batch=16", "--train.micro_batch=4"]
 MEASURED_EP4 = [  # (config, overrides, GiB per GPU, tokens/s per GPU)
     ("configs/16b.toml", [*EP4, "--parallel.ep_backend=deepep"], 75.7, 18_302),  # selective AC
     (CUT_16B, [*EP4, "--parallel.ep_backend=deepep"], 19.0, 121_194),
@@ -143,7 +146,7 @@ def test_the_peak_is_the_largest_sum_of_what_is_alive_over_the_phases():
 
 
 def test_a_later_micro_batch_carries_every_sharded_gradient_of_the_earlier_ones():
-    cfg = load_config("configs/16b.toml", [])  # 64 sequences of 4 on 8 GPUs: 2 micro-batches
+    cfg = load_config("configs/16b.toml", ["--train.micro_batch=4"])  # 64 sequences of 4 on 8 GPUs: 2 micro-batches
     planned = plan(cfg, 8, "h100")
     dense, experts = dense_and_expert_params(cfg.model_config())
     carried = _alive_gib(planned, "micro-batch 2, forward of block 0", "gradients")
@@ -222,7 +225,7 @@ def test_experts_on_a_one_rank_fsdp_mesh_stay_unsharded_from_forward_to_backward
 
 
 def test_accumulating_unsharded_grads_holds_every_gradient_unsharded():
-    cfg = load_config("configs/16b.toml", ["--train.global_batch=64", "--parallel.accumulate_unsharded_grads=true"])
+    cfg = load_config("configs/16b.toml", ["--train.micro_batch=4", "--parallel.accumulate_unsharded_grads=true"])
     planned = plan(cfg, 8, "h100")  # 2 micro-batches per rank on 8 GPUs
     dense, experts = dense_and_expert_params(cfg.model_config())
     held = _alive_gib(planned, "micro-batch 2, main loss", "gradients", "unsharded accumulator")
@@ -325,8 +328,8 @@ def test_train_refuses_a_config_that_cannot_fit_before_building_the_model(monkey
 
 
 def test_an_eager_run_is_told_its_activations_are_planned_as_compiled_blocks():
-    compiled, eager = (plan(load_config("configs/16b.toml", [f"--train.compile={on}"]), 16, "h100")
-                       for on in ("true", "false"))
+    compiled, eager = (plan(load_config("configs/16b.toml", [f"--train.compile={on}", "--train.micro_batch=4"]), 16,
+                            "h100") for on in ("true", "false"))
     assert not any("compile is off" in line for line in compiled.assumptions)
     assert any("compile is off: eager blocks save more" in line for line in eager.assumptions)
 
@@ -352,6 +355,12 @@ def test_search_ranks_every_accepted_layout_that_fits_fastest_first():
     assert not any("--train.activation_checkpoint=none" in f and "--train.micro_batch=8" in f for f in flags)
 
 
+def test_the_shipped_16b_config_is_the_planners_fastest_layout_on_its_cluster():
+    cfg = load_config("configs/16b.toml", [])
+    best, _ = search(cfg, cfg.parallel.gpus, "h100")[0]
+    assert layout_flags(best) == layout_flags(cfg)
+
+
 def test_training_time_is_the_runs_tokens_at_the_planned_rate():
     cfg = load_config("configs/16b.toml", [])
     p = plan(cfg, 8, "h100")
@@ -365,7 +374,67 @@ def test_cli_search_prints_the_fastest_layouts_with_memory_bottleneck_and_gpu_ho
                    "--train.micro_batch=4"])
     out = capsys.readouterr().out
     assert "rank 3 of the 71 layouts that fit" in out
-    assert ("   1        21,476    1.11×     64.4      4.2 h         34  elementwise, routing, loss 34%\n"
+    assert ("   1        21,476    1.11×     64.4        4.2 h         34  elementwise, routing, loss 34%\n"
             "      --parallel.ep=1 --train.micro_batch=8 --train.activation_checkpoint=selective "
             "--train.optimizer_state_dtype=bf16\n") in out
     assert out.count("      --parallel.ep=") == 3
+
+
+PLANNING_MD = Path(__file__).resolve().parent.parent / "docs" / "planning.md"
+
+
+def test_every_output_docs_planning_md_shows_is_what_the_planner_prints_for_its_command(capsys):
+    """A plan.py command's bash block followed by a plain block: that block is the planner's output, line by line,
+    up to a line `...`."""
+    shown = re.findall(r"```bash\n(python scripts/plan.py [^\n]*)\n```\n\n```\n(.*?)```", PLANNING_MD.read_text(), re.S)
+    assert shown
+    for command, output in shown:
+        plan_cli.main(shlex.split(command)[2:])
+        printed = capsys.readouterr().out.splitlines()
+        lines = output.splitlines()
+        lines = lines[:lines.index("...")] if "..." in lines else lines
+        assert lines == printed[:len(lines)], command
+
+
+# The figures docs/planning.md states in prose, each with the layout it plans: (the paragraph's opening words,
+# config, overrides, GPUs, kind, the words as written, the figures in them: total GiB, "ep" GiB of EP receive
+# buffers, tokens/s per GPU "k" in thousands or "tokens" whole)
+DOC_FIGURES = [
+    ("**16B on 8 × H100**", "configs/16b.toml", [], 8, "h100", "64.4 GiB and\n21.5k", {"GiB": "64.4", "k": "21.5"}),
+    ("**16B on 8 × H100**", "configs/16b.toml", ["--train.micro_batch=4"], 8, "h100", "plan 50.2 GiB and 19.4k",
+     {"GiB": "50.2", "k": "19.4"}),
+    ("**16B on 8 × H100**", "configs/16b.toml", ["--train.micro_batch=4", "--parallel.ep=8"], 8, "h100",
+     "plan 72.4 GiB and 15.9k (selective AC keeps the exchanged token copies, 20.8 GiB;",
+     {"GiB": "72.4", "k": "15.9", "ep": "20.8"}),
+    ("**16B on 8 × H100**", "configs/16b.toml", ["--train.micro_batch=4", "--parallel.ep=8", FP32_MOMENTS], 8,
+     "h100", "would not\nfit, 79.7 GiB", {"GiB": "79.7"}),
+    ("**16B on 8 × H100**", "configs/16b.toml", ["--train.micro_batch=4", "--train.activation_checkpoint=none"], 8,
+     "h100", "does not fit (81.0 GiB)", {"GiB": "81.0"}),
+    ("**The full 16B on 4 × H200", "configs/16b.toml", ["--train.global_batch=16", "--train.micro_batch=4",
+                                                         "--train.activation_checkpoint=none"], 4, "h200",
+     "(25.3k tokens/s/GPU, 88.3 GiB)", {"k": "25.3", "GiB": "88.3"}),
+    ("**The full 16B on 4 × H200", "configs/16b.toml", ["--train.global_batch=16", "--train.micro_batch=4"], 4,
+     "h200", "(22.8k, 58.1 GiB)", {"k": "22.8", "GiB": "58.1"}),
+    ("**The full 16B on 4 × H200", "configs/16b.toml", ["--train.global_batch=16", "--train.micro_batch=4",
+                                                         "--parallel.ep=4", "--parallel.ep_backend=deepep"], 4,
+     "h200", "(18.2k planned", {"k": "18.2"}),
+    ("**The full 16B on 4 × H200", "configs/16b.toml", ["--train.micro_batch=16"], 4, "h200", "(26.6k,\n122.6 GiB)",
+     {"k": "26.6", "GiB": "122.6"}),
+    ("The time to train is", "configs/671b.toml", [], 256, "h100", "(612 tokens/s/GPU, 69.3 GiB)",
+     {"tokens": "612", "GiB": "69.3"}),
+    ("The time to train is", "configs/671b.toml", ["--train.micro_batch=5"], 256, "h100",
+     "plans 704 (1.15×) but 74.0 GiB", {"tokens": "704", "GiB": "74.0"}),
+    ("The shipped `configs/671b.toml`", "configs/671b.toml", [], 256, "h100",
+     "69.3 GiB of the 75.1 usable and 612 tokens/s/GPU", {"GiB": "69.3", "tokens": "612"}),
+]
+
+
+@pytest.mark.parametrize("opening, path, overrides, gpus, kind, words, figures", DOC_FIGURES)
+def test_a_figure_docs_planning_md_states_is_the_planners(opening, path, overrides, gpus, kind, words, figures):
+    text = PLANNING_MD.read_text()
+    paragraph = text[text.index(opening):].split("\n\n")[0]
+    assert words in paragraph and all(figure in words for figure in figures.values())
+    planned = plan(load_config(path, overrides), gpus, kind)
+    printed = {"GiB": f"{planned.memory_gib_per_gpu:.1f}", "ep": f"{planned.memory['ep receive buffers']:.1f}",
+               "k": f"{planned.tokens_per_s_per_gpu / 1e3:.1f}", "tokens": f"{planned.tokens_per_s_per_gpu:.0f}"}
+    assert figures == {quantity: printed[quantity] for quantity in figures}
