@@ -1,10 +1,11 @@
 """The documents of a text corpus, read in units that processes can tokenize independently.
 
-Formats: `.txt` (a file is one document), `.jsonl` (a string field of every line), `.parquet` (a string
-column), each also as `.gz` / `.zst` except parquet (compressed inside). With no inputs, the corpus is this
-Python's standard library sources. A `Unit` is a whole file, the lines of a plain `.jsonl` that start in a
-byte range, or a run of a parquet file's row groups; units depend on the files and `chunk_bytes` only, so
-any number of workers sees the same ones. Bad input is a `UserError` naming the file and line (or, in a
+Formats: `.txt` and Markdown / reStructuredText (`.md`, `.markdown`, `.rst`; a file is one document, read as
+text), `.jsonl` (a string field of every line), `.parquet` (a string column), each also as `.gz` / `.zst` except
+parquet (compressed inside). A directory's other files are skipped and counted by extension. With no inputs, the
+corpus is this Python's standard library sources. A `Unit` is a whole file, the lines of a plain `.jsonl` that
+start in a byte range, or a run of a parquet file's row groups; units depend on the files and `chunk_bytes` only,
+so any number of workers sees the same ones. Bad input is a `UserError` naming the file and line (or, in a
 corrupt compressed file, the compressed byte offset).
 """
 
@@ -14,6 +15,7 @@ import json
 import os
 import sysconfig
 import zlib
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,8 @@ import zstandard
 
 from dsv3.config import UserError
 
-FORMATS = (".txt", ".jsonl", ".parquet")
+TEXT_FORMATS = (".txt", ".md", ".markdown", ".rst")  # a file is one document
+FORMATS = (*TEXT_FORMATS, ".jsonl", ".parquet")
 COMPRESSIONS = (".gz", ".zst")
 STDLIB_MAX_CHARS = 20_000_000
 STDLIB_FILES_PER_UNIT = 64
@@ -53,30 +56,39 @@ class ReadOptions:
 
 
 def split_name(path: Path) -> tuple[str, str]:
-    """(format, compression) of a file name: ("jsonl", ".zst") for x.jsonl.zst; ("", "") if not a corpus file."""
+    """(format, compression) of a file name: ("jsonl", ".zst") for x.jsonl.zst, ("txt", "") for x.md; ("", "") if
+    not a corpus file."""
     compression = path.suffix if path.suffix in COMPRESSIONS else ""
     fmt = Path(path.stem).suffix if compression else path.suffix
     if fmt not in FORMATS or (fmt == ".parquet" and compression):
         return "", ""
-    return fmt[1:], compression
+    return "txt" if fmt in TEXT_FORMATS else fmt[1:], compression
 
 
 def expand_inputs(inputs: list[str]) -> list[Path]:
-    """The corpus files of `inputs` (files, or directories searched recursively), sorted within each directory."""
+    """The corpus files of `inputs` (files, or directories searched recursively), sorted within each directory.
+    A directory's files in no corpus format are skipped: one line per extension says how many."""
     files = []
     for name in inputs:
         path = Path(name)
         if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.is_file() and split_name(p)[0])
+            found = sorted(p for p in path.rglob("*") if p.is_file())
+            files += [p for p in found if split_name(p)[0]]
+            skipped = Counter(("".join(p.suffixes[-2:]) if p.suffix in COMPRESSIONS else p.suffix) or "no extension"
+                              for p in found if not split_name(p)[0])
+            for extension, count in sorted(skipped.items()):
+                print(f"skipped {count} file{'s' if count > 1 else ''} ({extension}) in {path}: not "
+                      f"{', '.join(FORMATS[:-1])} (each also .gz / .zst) or .parquet")
         elif path.is_file():
             if not split_name(path)[0]:
-                raise UserError(f"{path} is not .txt, .jsonl or .parquet (the first two may be .gz or .zst); "
-                                "convert it or pass a directory of those.")
+                raise UserError(f"{path} is not .txt, .md, .markdown, .rst, .jsonl or .parquet (all but parquet may "
+                                "be .gz or .zst); convert it or pass a directory of those.")
             files.append(path)
         else:
             raise UserError(f"input {path} does not exist; pass existing files or directories with --input.")
     if not files:
-        raise UserError(f"no .txt, .jsonl or .parquet files in {inputs}; point --input at your corpus.")
+        raise UserError(f"no .txt, .jsonl or .parquet files (nor Markdown or reStructuredText) in {inputs}; point "
+                        "--input at your corpus.")
     return files
 
 

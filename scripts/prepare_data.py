@@ -1,7 +1,7 @@
 """Tokenize a corpus into token shards for dsv3.data.PackedLoader.
 
     python scripts/prepare_data.py                                    # bundled default: stdlib → data/stdlib
-    python scripts/prepare_data.py --input corpus/ --out data/mine    # .txt / .jsonl / .parquet (+ .gz, .zst)
+    python scripts/prepare_data.py --input corpus/ --out data/mine    # .txt .md .rst .jsonl .parquet, .gz .zst
 
 Writes OUT/{train,val}/shard_NNNNN.bin (raw token ids; each document is [BOS if the tokenizer adds one] ids EOS),
 index.json per split, and OUT/tokenizer/ (the tokenizer the ids belong to). Documents go to val by position

@@ -19,7 +19,8 @@ import zstandard
 
 import scripts.prepare_data as prepare_data
 from dsv3.config import UserError
-from dsv3.corpus import FEED_BYTES, STDLIB_MAX_CHARS, ReadOptions, plan_units, read_unit, stdlib_units
+from dsv3.corpus import (FEED_BYTES, STDLIB_MAX_CHARS, ReadOptions, expand_inputs, plan_units, read_unit,
+                         stdlib_units)
 from dsv3.tokenizer import Tokenizer, find_tokenizer
 from scripts.prepare_data import prepare
 
@@ -410,3 +411,31 @@ def test_dtype_is_uint16_exactly_when_every_id_fits(tmp_path, monkeypatch, vocab
     else:
         with pytest.raises(UserError, match=f"vocab {vocab_size} does not fit in uint16"):
             prepare(*args, val_fraction=0, dtype="uint16", progress=False)
+
+
+def test_markdown_and_restructuredtext_are_text_a_file_one_document(tmp_path):
+    corpus = tmp_path / "docs"
+    (corpus / "sub").mkdir(parents=True)
+    for i, name in enumerate(["a.txt", "b.md", "c.markdown", "sub/d.rst"]):
+        (corpus / name).write_text(DOCS[i])
+    gzip_md = corpus / "e.md.gz"
+    gzip_md.write_bytes(gzip.compress(DOCS[4].encode()))
+    files = expand_inputs([str(corpus)])
+    assert [p.name for p in files] == ["a.txt", "b.md", "c.markdown", "e.md.gz", "d.rst"]
+    documents = [doc for unit in plan_units(files, 1 << 20, ReadOptions()) for doc in read_unit(unit, ReadOptions())]
+    assert documents == [DOCS[0], DOCS[1], DOCS[2], DOCS[4], DOCS[3]]
+    assert [p.name for p in expand_inputs([str(corpus / "b.md")])] == ["b.md"]
+
+
+NOT_A_CORPUS_FORMAT = "not .txt, .md, .markdown, .rst, .jsonl (each also .gz / .zst) or .parquet"
+
+
+def test_what_a_directory_holds_in_no_corpus_format_is_counted_per_extension(tmp_path, capsys):
+    corpus = tmp_path / "mixed"
+    (corpus / "sub").mkdir(parents=True)
+    for name in ["a.txt", "b.json", "sub/c.json", "d.tar.gz", "Makefile", "e.py"]:
+        (corpus / name).write_text("x")
+    assert [p.name for p in expand_inputs([str(corpus)])] == ["a.txt"]
+    assert capsys.readouterr().out.splitlines() == [
+        f"skipped {count} in {corpus}: {NOT_A_CORPUS_FORMAT}"
+        for count in ("2 files (.json)", "1 file (.py)", "1 file (.tar.gz)", "1 file (no extension)")]
