@@ -20,15 +20,22 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 Series = dict[str, tuple[list[int], list[float]]]  # run name -> (steps, values)
 
 
+LINE_STYLES = ["-", "--", ":", "-."]  # one per metric key on an axis: loss solid, val_loss dashed, ...
+
+
 def curves_figure(title: str, series_by_key: dict[str, Series], log_y: bool = False) -> Figure:
-    """One axis, a line per (run, metric key): e.g. train and val loss of two runs. log_y: a log axis when
-    the values span more than 20x (grad norm spikes)."""
+    """One axis, a line per (run, metric key): e.g. train and val loss of two runs. Each run has its colour, each
+    key its line style, and the legend names both. log_y: a log axis when the values span more than 20x (grad
+    norm spikes)."""
     figure, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
-    runs = {run for by_run in series_by_key.values() for run in by_run}
-    for key, by_run in series_by_key.items():
+    runs = list(dict.fromkeys(run for by_run in series_by_key.values() for run in by_run))
+    for k, (key, by_run) in enumerate(series_by_key.items()):
         for run, (steps, values) in by_run.items():
-            label = key if len(runs) == 1 else run if len(series_by_key) == 1 else f"{run} {key}"
-            ax.plot(steps, values, label=label, marker="o" if len(steps) < 30 else None, markersize=3)
+            label = key if len(runs) == 1 else run if len(series_by_key) == 1 else f"{run}: {key}"
+            # one run: a colour per key as well, so a legend-less print still tells them apart
+            colour = f"C{(k if len(runs) == 1 else runs.index(run)) % 10}"
+            ax.plot(steps, values, label=label, color=colour, linestyle=LINE_STYLES[k % len(LINE_STYLES)],
+                    marker="o" if len(steps) < 30 else None, markersize=3)
     ax.set(title=title, xlabel="step")
     values = [v for by_run in series_by_key.values() for _, vs in by_run.values() for v in vs if v > 0]
     if log_y and values and max(values) > 20 * min(values):  # over a narrow range a log axis only loses labels

@@ -68,3 +68,18 @@ def test_the_expert_load_history_labels_round_steps_that_do_not_overlap():
     boxes = [label.get_window_extent() for label in labels]
     assert all(left.x1 < right.x0 for left, right in zip(boxes, boxes[1:]))
 
+
+
+def test_each_run_has_its_colour_and_each_metric_its_line_style_named_in_the_legend():
+    from dsv3.plots import curves_figure
+
+    loss = {"a": ([1, 2], [3.0, 2.0]), "b": ([1, 2], [3.5, 2.5])}
+    val = {"a": ([2], [2.2]), "b": ([2], [2.7])}
+    ax = curves_figure("loss", {"loss": loss, "val_loss": val}).axes[0]
+    lines = {line.get_label(): (line.get_color(), line.get_linestyle()) for line in ax.get_lines()}
+    assert list(lines) == ["a: loss", "b: loss", "a: val_loss", "b: val_loss"]
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == list(lines)
+    assert lines["a: loss"][0] == lines["a: val_loss"][0] != lines["b: loss"][0] == lines["b: val_loss"][0]
+    assert lines["a: loss"][1] == lines["b: loss"][1] != lines["a: val_loss"][1] == lines["b: val_loss"][1]
+    one_run = curves_figure("loss", {"loss": {"a": loss["a"]}, "val_loss": {"a": val["a"]}}).axes[0]
+    assert len({line.get_color() for line in one_run.get_lines()}) == 2
