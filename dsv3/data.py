@@ -19,7 +19,8 @@ def read_index(split_dir: str | Path) -> dict:
     index_path = Path(split_dir) / "index.json"
     if not index_path.is_file():
         raise UserError(
-            f"no token shards at {index_path}; write them with `python scripts/prepare_data.py`"
+            f"no token shards at {index_path}; write them with "
+            f"`python scripts/prepare_data.py --input YOUR_CORPUS --out {Path(split_dir).parent}`"
         )
     return json.loads(index_path.read_text())
 
@@ -153,6 +154,7 @@ class PackedLoader:
             raise UserError(
                 f"{split_dir} has {n_tokens} tokens, fewer than one sequence of seq_len + 1 = "
                 f"{seq_len + 1}; use a shorter seq_len or more data"
+                + (", or train without validation: --train.val_every=0" if split_dir.name == "val" else "")
             )
         self.sequences_consumed = 0
 

@@ -1,4 +1,5 @@
 import json
+import re
 import tracemalloc
 from pathlib import Path
 
@@ -337,3 +338,14 @@ def test_one_document_corpus_still_gets_a_validation_split(tmp_path):
     assert len(val) == round(0.1 * len(whole)) and len(train) + len(val) == len(whole)
     np.testing.assert_array_equal(np.concatenate([train, val]), whole)  # val is the tail, nothing lost
     assert PackedLoader(str(tmp_path / "out"), "val", 16).num_sequences > 0
+
+
+def test_the_missing_and_too_short_data_messages_name_the_exact_fix(tmp_path):
+    nowhere = tmp_path / "nowhere"
+    with pytest.raises(UserError, match=f"--out {re.escape(str(nowhere))}`$"):
+        PackedLoader(str(nowhere), "train", 16)
+    out = prepared(tmp_path)
+    with pytest.raises(UserError, match="or train without validation: --train.val_every=0$"):
+        PackedLoader(str(out), "val", 10_000)
+    with pytest.raises(UserError, match="use a shorter seq_len or more data$"):
+        PackedLoader(str(out), "train", 10_000_000)
