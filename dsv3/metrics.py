@@ -229,7 +229,8 @@ def memory_stats() -> dict[str, float]:
 
 
 def import_wandb() -> ModuleType:
-    """The wandb module, for log.wandb=true: an optional package (requirements.txt does not install it)."""
+    """The wandb module, for log.wandb=true: imported only then (requirements.txt installs it; a trimmed install
+    may not)."""
     try:
         import wandb
     except ImportError:
