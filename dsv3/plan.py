@@ -1,5 +1,6 @@
 """The run planner: per-GPU memory and step time from a Config, a GPU count and a GPU kind, before anything is
-built. train.py checks the plan at start-up; scripts/plan.py prints it.
+built. train.py checks the plan at start-up; scripts/plan.py prints it. `search` plans every layout (ep, micro-batch,
+AC mode, moment dtype) a run accepts on the GPUs and ranks those that fit by planned tokens/s.
 
 Memory is a table of what the trainer keeps alive, derived from the config: each `Tensor` has its bytes per GPU and
 the phases of the step it lives through (each micro-batch's forward and backward block by block, its losses, the
@@ -231,7 +232,7 @@ def _shares(cfg: Config, gpus: int, n_blocks: int) -> _Shares:
                    sharded_total=root / gpus + sum(shard))
 
 
-Add = Callable[[str, str, float, int, int], None]  # (line, name, bytes, first phase, last phase)
+_Add = Callable[[str, str, float, int, int], None]  # (line, name, bytes, first phase, last phase)
 
 
 def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
@@ -254,7 +255,7 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
     return table
 
 
-def _add_state(add: Add, cfg: Config, gpus: int, tl: _Timeline, s: _Shares) -> None:
+def _add_state(add: _Add, cfg: Config, gpus: int, tl: _Timeline, s: _Shares) -> None:
     """What lives through the whole step: fp32 parameters, AdamW's moments, library workspaces."""
     dtype = cfg.train.optimizer_state_dtype
     state_bytes = {"fp32": 4, "bf16": 2}[dtype]
@@ -263,7 +264,7 @@ def _add_state(add: Add, cfg: Config, gpus: int, tl: _Timeline, s: _Shares) -> N
     add("overhead", "cuBLAS, cuDNN and compiled-kernel workspaces", OVERHEAD_GIB * GIB, 0, tl.step)
 
 
-def _add_compute_weights(add: Add, cfg: Config, gpus: int, tl: _Timeline, s: _Shares) -> None:
+def _add_compute_weights(add: _Add, cfg: Config, gpus: int, tl: _Timeline, s: _Shares) -> None:
     """bf16 compute weights: on one GPU, copies of every weight (dsv3.optim.ComputeCopies), kept across steps. Under
     FSDP2, the root (embedding, head) unsharded from its forward to the end of its backward; a block unsharded from
     the previous block's forward (prefetch) through its own, and from the next block's backward through its own.
@@ -288,7 +289,7 @@ def _add_compute_weights(add: Add, cfg: Config, gpus: int, tl: _Timeline, s: _Sh
                 add(line, f"{tl.name(b)}, experts kept unsharded", 2 * be / ep, forward[b], handed_on[b])
 
 
-def _add_one_gpu_gradients(add: Add, tl: _Timeline, s: _Shares) -> None:
+def _add_one_gpu_gradients(add: _Add, tl: _Timeline, s: _Shares) -> None:
     """One GPU: with one micro-batch, bf16 gradients on the compute copies, read by the optimizer step; with several,
     each bf16 gradient folded into fp32 accumulators (p.grad) as soon as autograd writes it. Blocks run backward
     from the last; the root's head gradient arrives with the first (the chunked loss computed it in forward), its
@@ -312,7 +313,7 @@ def _add_one_gpu_gradients(add: Add, tl: _Timeline, s: _Shares) -> None:
         add("gradients", "embedding: bf16 gradient until folded", 2 * s.embedding, tl.embedding[k], tl.embedding[k])
 
 
-def _add_fsdp_gradients(add: Add, cfg: Config, gpus: int, tl: _Timeline, s: _Shares) -> None:
+def _add_fsdp_gradients(add: _Add, cfg: Config, gpus: int, tl: _Timeline, s: _Shares) -> None:
     """FSDP2: a block's unsharded bf16 gradient, then its fp32 reduce-scatter input, in flight through the next
     block's backward (torch keeps one); the fp32 sharded gradients sum over micro-batches until the step. With
     accumulate_unsharded_grads, every micro-batch but the last adds into fp32 unsharded gradients instead."""
@@ -346,7 +347,7 @@ def _add_fsdp_gradients(add: Add, cfg: Config, gpus: int, tl: _Timeline, s: _Sha
     add("gradients", "root: fp32 sharded gradient", 4 * s.root / gpus, tl.embedding[later if unsharded else 0], step)
 
 
-def _add_activations(add: Add, cfg: Config, gpus: int, tl: _Timeline, s: _Shares) -> None:
+def _add_activations(add: _Add, cfg: Config, gpus: int, tl: _Timeline, s: _Shares) -> None:
     """What each block saves for backward by AC mode, from its forward to its backward; under AC, its recompute
     restores the whole no-AC set in its own backward. EP's received token copies on a line of their own."""
     mc, mode = cfg.model_config(), cfg.train.activation_checkpoint
@@ -365,7 +366,7 @@ def _add_activations(add: Add, cfg: Config, gpus: int, tl: _Timeline, s: _Shares
                 add(line, f"{tl.name(b)}: recomputed in backward", recomputed, last, last)
 
 
-def _add_loss(add: Add, cfg: Config, tl: _Timeline, s: _Shares) -> None:
+def _add_loss(add: _Add, cfg: Config, tl: _Timeline, s: _Shares) -> None:
     """The chunked loss (dsv3.loss.linear_cross_entropy): in its forward one chunk's bf16 logits and their gradient
     and, over several chunks, the head gradient accumulating in fp32; kept for backward its [T, D] input gradient
     and bf16 head gradient, until autograd reaches it (the MTP losses first, then the main one)."""
