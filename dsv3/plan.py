@@ -25,6 +25,7 @@ from typing import Callable
 
 from dsv3.config import Config, ModelConfig, UserError
 from dsv3.dispatch import SUPPORTED_EP
+from dsv3.parallel import moe_blocks_compile_whole
 from dsv3.metrics import attention_params, block_params, dense_and_expert_params, root_params
 from dsv3.loss import LOSS_CHUNK
 from dsv3.lowp.quant import FEATURE_MULTIPLE
@@ -44,6 +45,7 @@ class GPU:
     nvlink_gb_s: float  # per direction per GPU, within a node
     source: str
     gpus_per_node: int = 8
+    pads_expert_groups: bool = False  # bf16 grouped GEMMs need padded groups (dsv3.token_copies.pads_groups)
 
 
 _B200_OVER_H100 = 2250 / 989  # dense bf16 without sparsity, HGX B200 and H100 SXM datasheets
@@ -60,7 +62,8 @@ GPUS: dict[str, GPU] = {
                 attention_tflops=375 * _B200_OVER_H100, hbm_tb_s=8.0, nvlink_gb_s=900,
                 source="NOT measured: the H200 rates × 2250/989 (datasheet dense bf16 over H100's: Hopper's "
                        "efficiency assumed on Blackwell); HBM 8 TB/s and NVLink 5 1.8 TB/s both ways from the HGX "
-                       "B200 datasheet; 178 of its 180 GB assumed visible to torch"),
+                       "B200 datasheet; 178 of its 180 GB assumed visible to torch",
+                pads_expert_groups=True),
 }
 # one 400 Gb/s NIC (ConnectX-7) per GPU in DGX/HGX H100 and B200 nodes: 50 GB/s per direction
 INFINIBAND_GB_S = 50.0
@@ -117,9 +120,11 @@ def _rank_missed(mc: ModelConfig, ep: int) -> float:
                * math.comb((M - j) * per_group, K) / math.comb(M * per_group, K) for j in range(min(g, M) + 1))
 
 
-def _around_checkpoint(mc: ModelConfig, gpus: int) -> bool:
-    """Whether MoE blocks compile around their checkpoint (parallel.apply_compile): on one GPU, without MTP."""
-    return gpus == 1 and mc.n_mtp_layers == 0
+def _around_checkpoint(cfg: Config, gpus: int, kind: GPU) -> bool:
+    """Whether MoE blocks compile around their checkpoint (parallel.moe_blocks_compile_whole); low-precision experts
+    pad their groups, as bf16 ones do on some GPUs."""
+    p, pads = cfg.parallel, cfg.train.expert_precision != "bf16" or kind.pads_expert_groups
+    return moe_blocks_compile_whole(gpus, p.ep, p.ep_backend, cfg.model_config().n_mtp_layers, pads)
 
 
 def _saved_per_token(mc: ModelConfig, moe: bool, ep: int, backend: str = "all_to_all",
@@ -145,9 +150,9 @@ def _saved_per_token(mc: ModelConfig, moe: bool, ep: int, backend: str = "all_to
     copy = 2 * d + 3 * I
     token_side = d + 4 * mc.n_routed_experts + 3 * mc.n_shared_experts * I + d  # normed, fp32 scores, shared, out
     # inside a compiled MoE block SAC keeps grouped GEMM, SDPA and exchange outputs (parallel._selective_policy);
-    # compiled around it (one rank), every GEMM output as in a dense block: the router's and the shared experts' too
+    # compiled around it, every GEMM output as in a dense block: the router's and the shared experts' too
     selective = (d + attention_gemms + mc.n_routed_experts + 2 * mc.n_shared_experts * I + d if around
-                 else d + sdpa_out + _exchange_kept_per_token(mc, ep, backend))
+                 else d + sdpa_out) + _exchange_kept_per_token(mc, ep, backend)
     return {"none": attention + token_side + copies * copy, "selective": selective + copies * (2 * I + d), "full": d}
 
 
@@ -235,7 +240,7 @@ def _shares(cfg: Config, gpus: int, n_blocks: int) -> _Shares:
 _Add = Callable[[str, str, float, int, int], None]  # (line, name, bytes, first phase, last phase)
 
 
-def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
+def _memory_table(cfg: Config, gpus: int, kind: GPU, tl: _Timeline) -> list[Tensor]:
     """Everything the trainer keeps alive on one GPU, with its lifetime (see the module docstring)."""
     shares = _shares(cfg, gpus, tl.n_blocks)
     table: list[Tensor] = []
@@ -250,7 +255,7 @@ def _memory_table(cfg: Config, gpus: int, tl: _Timeline) -> list[Tensor]:
         _add_fsdp_gradients(add, cfg, gpus, tl, shares)
     else:
         _add_one_gpu_gradients(add, tl, shares)
-    _add_activations(add, cfg, gpus, tl, shares)
+    _add_activations(add, cfg, gpus, kind, tl, shares)
     _add_loss(add, cfg, tl, shares)
     return table
 
@@ -347,14 +352,14 @@ def _add_fsdp_gradients(add: _Add, cfg: Config, gpus: int, tl: _Timeline, s: _Sh
     add("gradients", "root: fp32 sharded gradient", 4 * s.root / gpus, tl.embedding[later if unsharded else 0], step)
 
 
-def _add_activations(add: _Add, cfg: Config, gpus: int, tl: _Timeline, s: _Shares) -> None:
+def _add_activations(add: _Add, cfg: Config, gpus: int, kind: GPU, tl: _Timeline, s: _Shares) -> None:
     """What each block saves for backward by AC mode, from its forward to its backward; under AC, its recompute
     restores the whole no-AC set in its own backward. EP's received token copies on a line of their own."""
     mc, mode = cfg.model_config(), cfg.train.activation_checkpoint
-    ep, backend = cfg.parallel.ep, cfg.parallel.ep_backend
+    ep, backend, around = cfg.parallel.ep, cfg.parallel.ep_backend, _around_checkpoint(cfg, gpus, kind)
     for b in range(tl.n_blocks):
         moe = b >= mc.n_dense_layers
-        saved, saved_local = (_saved_per_token(mc, moe, e, backend, _around_checkpoint(mc, gpus)) for e in (ep, 1))
+        saved, saved_local = (_saved_per_token(mc, moe, e, backend, around) for e in (ep, 1))
         kept, kept_local = (ACTIVATION_FACTOR * 2 * s.T * per_token[mode] for per_token in (saved, saved_local))
         recomputed = ACTIVATION_FACTOR * 2 * s.T * saved["none"] - kept
         line = "activations" if b < tl.n_layers else "mtp"
@@ -446,9 +451,9 @@ def _block_times(cfg: Config, gpus: int, kind: GPU) -> _BlockTimes:
         activation_s = activation_bytes / (OTHER_HBM_EFFICIENCY * hbm)
         casts_s = 14 * (block_dense + block_experts / ep) / (FSDP_CAST_HBM_EFFICIENCY * hbm) if gpus > 1 else 0.0
         # recompute is a forward (a third of forward + backward) of what the mode drops: selective AC in a MoE block
-        # compiled inside its checkpoint (all but on one rank without MTP: parallel.apply_compile) recomputes its dense
+        # compiled inside its checkpoint (where parallel.moe_blocks_compile_whole says no) recomputes its dense
         # GEMMs, full AC the whole block
-        inside = moe and not _around_checkpoint(mc, gpus)
+        inside = moe and not _around_checkpoint(cfg, gpus, kind)
         recompute = {"none": 0.0, "selective": ((dense_s if inside else 0.0) + activation_s) / 3,
                      "full": (dense_s + expert_s + attention_s + activation_s) / 3}[t.activation_checkpoint]
         for item, s in zip(times.items, (dense_s, expert_s, attention_s, activation_s + casts_s, recompute)):
@@ -621,7 +626,7 @@ def plan(cfg: Config, gpus: int, gpu: str, capacity_gib: float | None = None) ->
     if not t.compile:  # the activation terms were measured on compiled blocks, which recompute more under AC
         assumptions.append("train.compile is off: eager blocks save more for backward than this plan counts "
                            "(measured compiled; selective AC keeps every matmul's output)")
-    return Plan(gpus, gpu, capacity_gib or kind.memory_gib, timeline.phases, _memory_table(cfg, gpus, timeline),
+    return Plan(gpus, gpu, capacity_gib or kind.memory_gib, timeline.phases, _memory_table(cfg, gpus, kind, timeline),
                 _step_time(cfg, gpus, kind, micro_batches), micro_batches * t.micro_batch * t.seq_len, assumptions)
 
 
