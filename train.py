@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from dsv3 import checkpoint, dispatch, export, optim, parallel, rundir
+from dsv3 import checkpoint, dispatch, export, failures, optim, parallel, rundir
 from dsv3.config import (Config, TrainConfig, UserError, help_text, load_config, resume_changes, resume_record,
                          run_main)
 from dsv3.data import (MixtureLoader, PackedLoader, check_first_batch, check_sources, data_tokenizer,
@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     init_from_line = export.check_init_from(cfg) if init_from else ""
     run_dir = Path(cfg.checkpoint.dir)
     rundir.lock_run_dir(run_dir, create=not cfg.checkpoint.resume)  # one run per directory, until it ends
+    failures.watch_run(run_dir, argv)  # a failure from here names the last checkpoint and the command to run next
     found = checkpoint.checkpoints(run_dir)
     if found and not cfg.checkpoint.resume:
         raise UserError(f"checkpoint.dir={run_dir} already holds checkpoints "

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from dsv3.config import ModelConfig, UserError
+from dsv3.safeopen import refuse_link
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"  # {"files": {name: {"size": bytes, "crc32": int}}}, written last inside step-N.tmp
@@ -90,7 +91,8 @@ def checkpoints(run_dir: str | Path) -> list[Path]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir()
+             if (m := _STEP_DIR.match(p.name)) and p.is_dir() and not p.is_symlink()]  # a link is none of ours
     return [p for _, p in sorted(found)]
 
 
@@ -122,6 +124,8 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
     unconfirmed; keeps the newest `keep` (and the newest confirmed one)."""
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step-{step}", run_dir / f"step-{step}.tmp"
+    for path in (tmp, final):  # the save would go to a link's target
+        refuse_link(path)
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
@@ -148,15 +152,16 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
 
         _on_rank_0(f"renaming checkpoint {tmp} to {final}", publish)
     except Exception as e:
+        # judged before the half save is removed: its bytes are what filled the disk. torch.save's writer reports a
+        # full disk as "unexpected pos N vs M" (no errno), DCP's rank-0 report as text
+        disk_full = (getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e)
+                     or shutil.disk_usage(run_dir).free < _CHUNK)
         if _rank() == 0:  # on a full disk, a half-written step-N.tmp would keep the resumed run from starting
             shutil.rmtree(tmp, ignore_errors=True)
-        # torch.save may wrap the OS error in its own ("enforce fail at inline_container")
-        disk_full = getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e)
-        if disk_full or shutil.disk_usage(run_dir).free < _CHUNK:
-            previous = [p.name for p in checkpoints(run_dir) if p != final]
-            raise OSError(errno.ENOSPC, f"No space left on device while writing checkpoint {tmp}: free space "
-                          f"there, then --resume (the last complete checkpoint, "
-                          f"{previous[-1] if previous else 'none'}, is untouched)") from e
+        if disk_full:
+            full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+            full.add_note(f"the half-written {tmp.name} was removed")
+            raise full from e
         raise
     return final
 

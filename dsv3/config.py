@@ -8,37 +8,20 @@ import difflib
 import inspect
 import json
 import math
-import os
-import sys
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-
-class UserError(ValueError):
-    """Bad input the user can fix (config, data, tokenizer, paths, hardware, a plan that cannot fit): train.py and
-    the scripts report it as one line on stderr with exit code 2, no traceback. The message names the fix."""
+from dsv3 import failures
+from dsv3.failures import UserError  # the error every check here raises, defined beside the policy for it
 
 
 def run_main(main: Callable[[], object]) -> None:
-    """Run an entry point: a UserError is one line on stderr (rank 0 only under torchrun) and exit code 2.
-    A process group already set up is torn down first, so no rank waits on one that has left. Ctrl-C is one
-    line and exit code 130 (train.py's loop catches it itself, to save: dsv3/stop.py)."""
-    try:
-        main()
-    except KeyboardInterrupt:
-        if os.environ.get("RANK", "0") == "0":
-            print("interrupted (Ctrl-C)", file=sys.stderr)
-        sys.exit(130)
-    except UserError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr)
-        dist = sys.modules.get("torch.distributed")  # imported by the entry point if it uses torch at all
-        if dist is not None and dist.is_initialized():
-            dist.destroy_process_group()
-        sys.exit(2)
+    """Run an entry point under dsv3.failures' policy: every failure a user can cause or a machine can suffer is one
+    line on stderr and a documented exit code (a UserError: 2), a traceback only for a bug."""
+    failures.run(main)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from dsv3.checkpoint import _barrier, _dcp_call, _rank
 from dsv3.config import FLAVORS, Config, ModelConfig, UserError, hf_checkpoint_error, saved_model_config
 from dsv3.hf import model_shapes, save_config
+from dsv3.safeopen import refuse_link
 from dsv3.tokenizer import Tokenizer
 
 
@@ -96,6 +97,8 @@ def export(out_dir: str | Path, model: nn.Module, cfg: ModelConfig, tokenizer: T
     every rank assembles its share of the files from them, one tensor at a time."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
+    for path in (tmp, out_dir):  # the export would go to a link's target
+        refuse_link(path)
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()

@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 import torch
 
 from dsv3.config import Config, ModelConfig, UserError
+from dsv3.safeopen import append_line, open_no_follow
 
 
 def active_matmul_params(cfg: ModelConfig) -> int:
@@ -281,7 +282,7 @@ def _rewind(path: str, start_step: int) -> float:
     warning: a log must not stop a resume); returns the last kept row's elapsed_s."""
     if not os.path.exists(path):
         return 0.0
-    with open(path, errors="replace") as f:
+    with open_no_follow(path, errors="replace") as f:
         lines = [line for line in f if line.strip()]
     if lines and not lines[-1].endswith("\n"):  # a row cut short by a kill mid-write: none of it is kept
         lines.pop()
@@ -296,7 +297,7 @@ def _rewind(path: str, start_step: int) -> float:
             kept.append(line)
     if bad:
         print(f"warning: {path}: skipped {bad} unreadable line(s)", file=sys.stderr, flush=True)
-    with open(path + ".tmp", "w") as f:
+    with open_no_follow(path + ".tmp", "w") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)
     return json.loads(kept[-1]).get("elapsed_s", 0.0) if kept else 0.0
@@ -358,10 +359,10 @@ class MetricsLogger:
         path = os.path.join(run_dir, "metrics.jsonl")
         self._elapsed_before = _rewind(path, start_step)
         self._started = time.perf_counter()
-        self._jsonl = open(path, "a")
+        self._jsonl = open_no_follow(path, "a")
         expert_path = os.path.join(run_dir, "expert_load.jsonl")
         _rewind(expert_path, start_step)
-        self._expert_jsonl = open(expert_path, "a")
+        self._expert_jsonl = open_no_follow(expert_path, "a")
         if use_wandb:
             wandb = import_wandb()
             mode = _wandb_mode()
@@ -382,8 +383,7 @@ class MetricsLogger:
             eta_s = max(self.total_steps - step, 0) * (now - first_time) / (step - first_step)
         values = {key: float(value) for key, value in metrics.items()}
         stamps = {"time": round(time.time(), 3), "elapsed_s": round(self._elapsed_before + now - self._started, 3)}
-        self._jsonl.write(json.dumps({"step": step, **values, **stamps}) + "\n")
-        self._jsonl.flush()  # readable while training runs, and complete up to a crash
+        append_line(self._jsonl, json.dumps({"step": step, **values, **stamps}) + "\n")  # readable while it runs
         print(_console_line(step, values, self.total_steps, eta_s), flush=True)
         if self._wandb is not None:
             self._wandb.log(values, step=step)
@@ -394,8 +394,7 @@ class MetricsLogger:
         if not self.enabled or tokens_per_expert.numel() == 0:
             return
         counts = tokens_per_expert.detach().long().cpu().tolist()
-        self._expert_jsonl.write(json.dumps({"step": step, "tokens_per_expert": counts}) + "\n")
-        self._expert_jsonl.flush()
+        append_line(self._expert_jsonl, json.dumps({"step": step, "tokens_per_expert": counts}) + "\n")
         if self._wandb is not None:
             from matplotlib import pyplot as plt
 

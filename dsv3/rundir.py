@@ -14,6 +14,7 @@ import torch.distributed as dist
 from dsv3.checkpoint import _rank
 from dsv3.config import UserError
 from dsv3.lockfile import take_lock
+from dsv3.safeopen import open_no_follow
 
 _held_locks: dict[Path, IO] = {}
 
@@ -30,7 +31,9 @@ def lock_run_dir(run_dir: str | Path, create: bool = True) -> None:
             stale.close()
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            lock = open(run_dir / "lock", "a+")
+            lock = open_no_follow(run_dir / "lock", "a+")
+        except UserError as e:
+            problem = str(e)
         except OSError as e:
             problem = f"checkpoint.dir={run_dir} cannot be written ({e.strerror}): choose a writable --checkpoint.dir"
         else:
@@ -76,7 +79,8 @@ def check_free_space(run_dir: str | Path, checkpoint_bytes: int) -> None:
     # ranks on several hosts of a shared filesystem may share a pid (containers): the name must be theirs alone
     probe = run_dir / f".write-test-{socket.gethostname()}-{_rank()}-{os.getpid()}"
     try:
-        probe.write_bytes(b"x")
+        with open_no_follow(probe, "xb") as f:
+            f.write(b"x")
         probe.unlink()
     except OSError as e:
         problem = f"checkpoint.dir={run_dir} is not writable ({e.strerror}): choose another --checkpoint.dir"

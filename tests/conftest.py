@@ -1,7 +1,9 @@
 import json
 import os
+import shlex
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -142,3 +144,18 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
         row = json.loads(line)
         by_step.setdefault(row.pop("step"), {}).update(row)
     return by_step
+
+
+def on_full_disk(disk: Path, size_kib: int, code: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -c code` (cwd: the checkout) with a tmpfs of `size_kib` KiB mounted at `disk`, in a mount namespace
+    of its own: a real full disk, ENOSPC from the kernel. Skips where the machine allows no such mount."""
+    disk.mkdir(parents=True, exist_ok=True)
+    mount = f"mount -t tmpfs -o size={size_kib}k tmpfs {shlex.quote(str(disk))}"
+    for unshare in (["unshare", "-m"], ["unshare", "-rm"]):
+        probe = subprocess.run([*unshare, "sh", "-c", mount], capture_output=True)
+        if probe.returncode == 0:
+            break
+    else:
+        pytest.skip(f"no private tmpfs on this machine: {probe.stderr.decode().strip()}")
+    command = f"{mount} && exec {shlex.quote(sys.executable)} -c {shlex.quote(code)}"
+    return subprocess.run([*unshare, "sh", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=timeout)

@@ -738,7 +738,8 @@ def test_ctrl_c_during_the_final_export_is_one_line_and_exit_code_130(data, tmp_
     with pytest.raises(SystemExit) as stopped:
         run_main(lambda: run(tmp_path, *TINY, "--train.steps=1", "--checkpoint.every=1", "--checkpoint.export=true"))
     assert stopped.value.code == 130
-    assert capsys.readouterr().err == "interrupted (Ctrl-C)\n"
+    assert re.fullmatch(rf"interrupted \(Ctrl-C\); the last complete checkpoint is {tmp_path / 'step-1'}; continue: "
+                        r"python train\.py .* --resume\n", capsys.readouterr().err)
     assert checkpoint.verify(tmp_path / "step-1") is None and not (tmp_path / "export").exists()
 
 
@@ -750,7 +751,8 @@ def test_ctrl_c_before_training_is_one_line_and_exit_code_130(data, tmp_path, mo
     with pytest.raises(SystemExit) as stopped:
         run_main(lambda: run(tmp_path, *TINY))
     assert stopped.value.code == 130
-    assert capsys.readouterr().err == "interrupted (Ctrl-C)\n"
+    assert re.fullmatch(r"interrupted \(Ctrl-C\); no checkpoint was written yet; start again: python train\.py .*\n",
+                        capsys.readouterr().err)
 
 
 # --- schedules ---------------------------------------------------------------------------------------
