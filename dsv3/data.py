@@ -6,23 +6,63 @@ shards as one stream of N tokens cut into (N - 1) // seq_len sequences of seq_le
 """
 
 import json
+import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from dsv3.config import UserError
+from dsv3.safeopen import refuse_link
 from dsv3.tokenizer import Tokenizer, find_tokenizer
 
 
+_INDEX_KEYS = {"dtype": str, "vocab_size": int, "eos_id": int, "shards": list}
+
+
 def read_index(split_dir: str | Path) -> dict:
+    """A split's index.json, checked: valid JSON holding the keys the loader reads, of their types, and shards that
+    name files inside the split (no absolute path, no `..`)."""
     index_path = Path(split_dir) / "index.json"
     if not index_path.is_file():
         raise UserError(
             f"no token shards at {index_path}; write them with "
             f"`python scripts/prepare_data.py --input YOUR_CORPUS --out {Path(split_dir).parent}`"
         )
-    return json.loads(index_path.read_text())
+    fix = f"re-run scripts/prepare_data.py for {Path(split_dir).parent}"
+    try:
+        index = json.loads(index_path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"{index_path} is not valid JSON ({e}): it is truncated or damaged; {fix}") from None
+    if not isinstance(index, dict):
+        raise UserError(f"{index_path} holds a {type(index).__name__}, not an index; {fix}")
+    for key, kind in _INDEX_KEYS.items():
+        if not isinstance(index.get(key), kind) or isinstance(index.get(key), bool):
+            found = "no" if key not in index else f"a {type(index[key]).__name__} as"
+            raise UserError(f"{index_path} has {found} {key!r} (a {kind.__name__} is expected); {fix}")
+    try:
+        np.dtype(index["dtype"])
+    except TypeError:
+        raise UserError(f"{index_path} names dtype {index['dtype']!r}, no numpy dtype; {fix}") from None
+    for shard in index["shards"]:
+        if (not isinstance(shard, dict) or not isinstance(shard.get("file"), str)
+                or not isinstance(shard.get("tokens"), int) or shard["tokens"] < 0):
+            raise UserError(f"{index_path} has a shard entry {shard!r}, not {{\"file\": NAME, \"tokens\": COUNT}}; "
+                            f"{fix}")
+        name = Path(shard["file"])
+        if name.is_absolute() or ".." in name.parts or not name.parts:
+            raise UserError(f"{index_path} names shard {shard['file']!r}, outside {split_dir}: a dataset reads only "
+                            f"its own files; {fix}")
+    return index
+
+
+def fingerprint(index: dict) -> str | None:
+    """The dataset's content as index.json records it: each shard's name, token count and crc32 (prepare_data.py
+    writes them); None for a dataset prepared before shards carried a checksum."""
+    if not index["shards"] or not all("crc32" in shard for shard in index["shards"]):
+        return None
+    listing = json.dumps([[s["file"], s["tokens"], s["crc32"]] for s in index["shards"]])
+    return f"{zlib.crc32(listing.encode()):08x}-{sum(s['tokens'] for s in index['shards'])}"
 
 
 def check_sources(mixture: list[tuple[str, str, float]], model_vocab_size: int, init_from: str = "") -> None:
@@ -55,6 +95,7 @@ def _check_shards(split_dir: Path, index: dict) -> None:
     itemsize = np.dtype(index["dtype"]).itemsize
     for shard in index["shards"]:
         file = split_dir / shard["file"]
+        refuse_link(file)  # a link would read whatever it points at
         size = file.stat().st_size if file.is_file() else None
         if size != shard["tokens"] * itemsize:
             found = "is missing" if size is None else f"has {size} bytes"
@@ -138,6 +179,8 @@ class PackedLoader:
         split_dir = Path(data_dir) / split
         self.seq_len, self.rank, self.world_size = seq_len, rank, world_size
         self.seed, self.shuffle = seed, shuffle
+        self.split_dir = split_dir
+        self.fingerprint = fingerprint(index)
         self.vocab_size: int = index["vocab_size"]
         self.eos_id: int = index["eos_id"]
         _check_shards(split_dir, index)
@@ -185,7 +228,15 @@ class PackedLoader:
             in_epoch = epochs == epoch
             sequences[in_epoch] = self._order_for(int(epoch), index[in_epoch])
         rows = [self._tokens(seq * self.seq_len, seq * self.seq_len + self.seq_len + 1) for seq in sequences.tolist()]
-        return np.stack(rows).astype(np.int64) if rows else np.empty((0, self.seq_len + 1), np.int64)
+        if not rows:
+            return np.empty((0, self.seq_len + 1), np.int64)
+        batch = np.stack(rows)
+        if int(batch.max()) >= self.vocab_size:  # one pass over a batch's ids: cheap beside a step
+            raise UserError(f"{self.split_dir} holds token id {int(batch.max())} (in sequence "
+                            f"{int(sequences[int(batch.max(axis=1).argmax())])}), but its index.json says "
+                            f"vocab_size {self.vocab_size}: its shards do not match their index; re-run "
+                            "scripts/prepare_data.py")
+        return batch.astype(np.int64)
 
     def next_batch(self, global_batch: int) -> torch.Tensor:
         """Next `global_batch` sequences of the global order; this rank's rows. [global_batch // world, seq_len + 1]"""
@@ -195,12 +246,15 @@ class PackedLoader:
         return torch.from_numpy(self.rows(np.arange(first, first + local)))
 
     def state_dict(self) -> dict:
-        return {
+        state = {
             "sequences_consumed": self.sequences_consumed,
             "seed": self.seed,
             "seq_len": self.seq_len,
             "num_sequences": self.num_sequences,
         }
+        if self.fingerprint is not None:
+            state["fingerprint"] = self.fingerprint
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         # A different seq_len or dataset would silently replay other data; refuse instead.
@@ -210,6 +264,11 @@ class PackedLoader:
                     f"loader state has {key}={int(state[key])} but this loader has "
                     f"{getattr(self, key)}; resume with the same data and seq_len"
                 )
+        saved = state.get("fingerprint")
+        if saved is not None and self.fingerprint is not None and saved != self.fingerprint:  # either may predate them
+            raise UserError(f"{self.split_dir} holds other tokens than the run was trained on (dataset fingerprint "
+                            f"{self.fingerprint}, the checkpoint's {state['fingerprint']}): it was prepared again. "
+                            "Resume with the dataset the run started on, or start a new run on this one")
         self.sequences_consumed = int(state["sequences_consumed"])
         self.seed = int(state["seed"])
 

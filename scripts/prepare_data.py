@@ -28,6 +28,7 @@ import multiprocessing.pool
 import os
 import shutil
 import sys
+import zlib
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -128,17 +129,13 @@ def lock_out(out: Path) -> IO:
 
 @contextlib.contextmanager
 def named_on_failure(staging: Path) -> Iterator[None]:
-    """A failure says where the finished work waits: in the UserError's line, else in a note before the error."""
+    """A failure says where the finished work waits, in its one line (dsv3.failures prints the error's notes)."""
     kept = f"{staging}/ keeps the units tokenized so far: re-running the same command continues from it"
     try:
         yield
-    except UserError as e:
-        if not staging.is_dir():
-            raise
-        raise UserError(f"{e} ({kept})") from None
-    except BaseException:
+    except BaseException as e:
         if staging.is_dir():
-            print(f"note: {kept}", file=sys.stderr, flush=True)
+            e.add_note(kept)
         raise
 
 
@@ -287,6 +284,7 @@ class ShardWriter:
         self.split_dir, self.dtype, self.shard_tokens = split_dir, dtype, shard_tokens
         self.itemsize = np.dtype(dtype).itemsize
         self.counts: list[int] = []
+        self.crcs: list[int] = []  # each shard's crc32: the dataset's fingerprint, checked when a run resumes
         self.file = None
         self.documents = 0
 
@@ -298,7 +296,9 @@ class ShardWriter:
             if self.file is None or self.counts[-1] == self.shard_tokens:
                 self._next_shard()
             take = min(count, self.shard_tokens - self.counts[-1], COPY_BYTES // self.itemsize)
-            self.file.write(source.read(take * self.itemsize))
+            tokens = source.read(take * self.itemsize)
+            self.file.write(tokens)
+            self.crcs[-1] = zlib.crc32(tokens, self.crcs[-1])
             self.counts[-1] += take
             count -= take
 
@@ -307,6 +307,7 @@ class ShardWriter:
             self.file.close()
         self.file = open(self.split_dir / f"shard_{len(self.counts):05d}.bin", "wb")
         self.counts.append(0)
+        self.crcs.append(0)
 
     def close(self, tokenizer: Tokenizer) -> dict:
         if self.file is not None:
@@ -321,7 +322,8 @@ class ShardWriter:
             "tokenizer_fingerprint": tokenizer.fingerprint,
             "num_tokens": sum(self.counts),
             "num_documents": self.documents,
-            "shards": [{"file": f"shard_{i:05d}.bin", "tokens": n} for i, n in enumerate(self.counts)],
+            "shards": [{"file": f"shard_{i:05d}.bin", "tokens": n, "crc32": crc}
+                       for i, (n, crc) in enumerate(zip(self.counts, self.crcs))],
         }
         (self.split_dir / "index.json").write_text(json.dumps(index, indent=1) + "\n")
         return index

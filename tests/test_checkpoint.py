@@ -445,3 +445,41 @@ def test_a_run_with_compute_copies_checkpoints_fp32_weights_and_resumes_exactly(
     assert {v.dtype for v in fresh.state_dict().values() if v.is_floating_point()} == {torch.float32}
     got = [train.train_step(fresh, fresh_optimizer, batches[step - 1], t, step)[0] for step in (3, 4)]
     assert torch.equal(torch.stack(got), torch.stack(expected))
+
+
+# --- links where the run keeps its own files ------------------------------------------------------------------
+
+
+def test_a_lock_that_is_a_link_is_refused_and_its_target_left_as_it_was(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "lock").symlink_to(victim)
+    with pytest.raises(UserError, match=rf"^{tmp_path / 'run' / 'lock'} is a symbolic link where dsv3 keeps"):
+        rundir.lock_run_dir(tmp_path / "run")
+    assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "metrics.jsonl.tmp", "expert_load.jsonl"])
+def test_a_log_that_is_a_link_is_refused_and_its_target_left_as_it_was(tmp_path, name):
+    from dsv3.metrics import MetricsLogger
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "run" / name).unlink(missing_ok=True)
+    (tmp_path / "run" / name).symlink_to(victim)
+    with pytest.raises(UserError, match=rf"^{tmp_path / 'run' / name} is a symbolic link"):
+        MetricsLogger(str(tmp_path / "run"), {}, start_step=1)
+    assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("name", ["step-5.tmp", "step-5"])
+def test_a_checkpoint_directory_that_is_a_link_receives_nothing(tmp_path, name):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / name).symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(UserError, match=rf"^{tmp_path / 'run' / name} is a symbolic link"):
+        _save_linear(tmp_path / "run", 5)
+    assert list(elsewhere.iterdir()) == [] and checkpoint.checkpoints(tmp_path / "run") == []

@@ -1,6 +1,7 @@
 import json
 import re
 import tracemalloc
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -213,18 +214,22 @@ def test_a_shard_that_does_not_match_its_index_is_one_line_naming_the_file(tmp_p
         PackedLoader(str(out), "train", seq_len=16)
 
 
-def test_ids_beyond_the_models_vocabulary_are_one_line_naming_the_source(tmp_path):
+def test_ids_beyond_the_vocabulary_are_one_line_in_any_batch_not_an_index_error_later(tmp_path):
+    """Another tokenizer's ids in a shard of the right size, past the first batch: every batch is checked against
+    its index.json's vocab_size (one max over its ids), so step 11 stops as step 1 would, naming the split."""
     out = prepared(tmp_path)
     shard = out / "train" / "shard_00000.bin"
     tokens = np.fromfile(shard, dtype=np.uint16)
-    tokens[:] = 5000  # another tokenizer's ids, in a shard of the right size
+    vocab = json.loads((out / "train" / "index.json").read_text())["vocab_size"]
+    loader = MixtureLoader([("tokens", str(out), 1.0)], "train", seq_len=16, shuffle=False)
+    tokens[16 * 40 + 1:] = vocab + 10  # sequence 40 on (its first token is sequence 39's last)
     tokens.tofile(shard)
-    loader = MixtureLoader([("tokens", str(out), 1.0)], "train", seq_len=16)
-    check_first_batch(loader, 4, vocab_size=8000)
-    with pytest.raises(UserError, match=rf"^data source tokens \({out}\) holds token id 5000, but model.vocab_size "
-                                        r"is 4096: its shards do not match its index.json"):
-        check_first_batch(loader, 4, vocab_size=4096)
-    assert loader.sequences_consumed == 0  # checked, not consumed
+    check_first_batch(loader, 4, vocab_size=vocab)
+    for _ in range(10):
+        loader.next_batch(4)
+    with pytest.raises(UserError, match=rf"^{out / 'train'} holds token id {vocab + 10} \(in sequence 40\), but its "
+                                        rf"index.json says vocab_size {vocab}: its shards do not match their index"):
+        loader.next_batch(4)
 
 
 def test_uint16_shards_refuse_a_vocab_over_65535(tmp_path, monkeypatch):
@@ -349,3 +354,74 @@ def test_the_missing_and_too_short_data_messages_name_the_exact_fix(tmp_path):
         PackedLoader(str(out), "val", 10_000)
     with pytest.raises(UserError, match="use a shorter seq_len or more data$"):
         PackedLoader(str(out), "train", 10_000_000)
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda text: text[:len(text) // 2], "is not valid JSON"),
+    (lambda text: "[1, 2]", "holds a list, not an index"),
+    (lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "shards"}), "has no 'shards'"),
+    (lambda text: json.dumps({**json.loads(text), "vocab_size": "4096"}), "has a str as 'vocab_size'"),
+    (lambda text: json.dumps({**json.loads(text), "shards": [{"file": 3}]}), "has a shard entry"),
+    (lambda text: json.dumps({**json.loads(text), "dtype": "int17"}), "names dtype 'int17'"),
+], ids=["truncated", "not-an-object", "missing-key", "wrong-type", "bad-shard-entry", "bad-dtype"])
+def test_a_damaged_index_is_one_line_naming_it_and_the_fix(tmp_path, damage, message):
+    out = prepared(tmp_path)
+    index_path = out / "train" / "index.json"
+    index_path.write_text(damage(index_path.read_text()))
+    with pytest.raises(UserError, match=rf"^{index_path} {re.escape(message)}.*re-run scripts/prepare_data.py"):
+        PackedLoader(str(out), "train", seq_len=16)
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../../secret.bin", "sub/../../x.bin"])
+def test_shard_names_cannot_reach_outside_their_split(tmp_path, name):
+    out = prepared(tmp_path)
+    index_path = out / "train" / "index.json"
+    index = json.loads(index_path.read_text())
+    index["shards"][0]["file"] = name
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(UserError, match=rf"^{index_path} names shard {re.escape(repr(name))}, outside "):
+        PackedLoader(str(out), "train", seq_len=16)
+
+
+def test_a_shard_that_is_a_link_is_refused(tmp_path):
+    out = prepared(tmp_path)
+    shard = out / "train" / "shard_00000.bin"
+    elsewhere = tmp_path / "elsewhere.bin"
+    shard.rename(elsewhere)
+    shard.symlink_to(elsewhere)
+    with pytest.raises(UserError, match=rf"^{shard} is a symbolic link"):
+        PackedLoader(str(out), "train", seq_len=16)
+
+
+def test_a_re_prepared_dataset_with_the_same_size_is_refused_on_resume(tmp_path):
+    """Same number of sequences, other tokens: the shards' checksums (index.json) tell them apart."""
+    out = prepared(tmp_path)
+    loader = PackedLoader(str(out), "train", seq_len=16)
+    loader.next_batch(4)
+    state = loader.state_dict()
+    assert state["fingerprint"]
+    index_path = out / "train" / "index.json"
+    index = json.loads(index_path.read_text())
+    shard = out / "train" / index["shards"][0]["file"]
+    tokens = np.fromfile(shard, dtype=index["dtype"])
+    np.flip(tokens).tofile(shard)  # as prepare_data.py writes a re-prepared dataset: new bytes, new checksum
+    index["shards"][0]["crc32"] = zlib.crc32(shard.read_bytes())
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(UserError, match=rf"^{out / 'train'} holds other tokens than the run was trained on .*"
+                                        r"Resume with the dataset the run started on, or start a new run"):
+        PackedLoader(str(out), "train", seq_len=16).load_state_dict(state)
+
+
+def test_a_dataset_or_checkpoint_from_before_fingerprints_still_resumes(tmp_path):
+    out = prepared(tmp_path)
+    old_state = {k: v for k, v in PackedLoader(str(out), "train", seq_len=16).state_dict().items()
+                 if k != "fingerprint"}
+    PackedLoader(str(out), "train", seq_len=16).load_state_dict(old_state)
+    index_path = out / "train" / "index.json"
+    index = json.loads(index_path.read_text())
+    for shard in index["shards"]:
+        del shard["crc32"]
+    index_path.write_text(json.dumps(index))
+    loader = PackedLoader(str(out), "train", seq_len=16)
+    assert "fingerprint" not in loader.state_dict()
+    loader.load_state_dict({**old_state, "fingerprint": "0-1"})
