@@ -23,8 +23,8 @@ from torch.distributed.fsdp import FSDPModule
 from dsv3 import checkpoint, dispatch, export, failures, optim, parallel, rundir
 from dsv3.config import (Config, TrainConfig, UserError, help_text, load_config, resume_changes, resume_record,
                          run_main)
-from dsv3.data import (MixtureLoader, PackedLoader, check_first_batch, check_sources, data_tokenizer,
-                       describe_mixture)
+from dsv3.data import (MixtureLoader, PackedLoader, check_first_batch, check_host_memory, check_sources,
+                       data_tokenizer, describe_mixture)
 from dsv3.determinism import make_deterministic
 from dsv3.lowp import quant
 from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, import_wandb,
@@ -216,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     # Check every input before anything expensive is built.
     rank, world, device = parallel.init_distributed(t.device)
     check_setup(cfg, world, device)
+    if device.type == "cpu":  # a batch the host cannot hold is refused here, not by the OOM killer
+        check_host_memory(t.global_batch, t.micro_batch, t.seq_len, world, mcfg.vocab_size, mcfg.dim, mcfg.n_layers)
     memory_plan = None
     if device.type == "cuda":  # a config that cannot fit stops here, before any weight is allocated
         memory_plan = check_fits(cfg, world, torch.cuda.get_device_name(device),
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
             dist.destroy_process_group()
         return
     n_params, _ = parameter_counts(mcfg)
-    rundir.check_free_space(run_dir, rundir.estimated_bytes(n_params, t.optimizer_state_dtype))
+    rundir.check_room(run_dir, n_params, t.optimizer_state_dtype, cfg.checkpoint)
     loader = MixtureLoader(cfg.data.mixture(), "train", t.seq_len, rank, world, seed=t.seed)
     if t.val_every:
         MixtureLoader(cfg.data.mixture(), "val", t.seq_len)  # fail now, not at the first validation

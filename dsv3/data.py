@@ -6,6 +6,7 @@ shards as one stream of N tokens cut into (N - 1) // seq_len sequences of seq_le
 """
 
 import json
+import os
 import zlib
 from pathlib import Path
 
@@ -113,6 +114,35 @@ def check_first_batch(loader: "MixtureLoader", global_batch: int, vocab_size: in
         if largest >= vocab_size:
             raise UserError(f"data source {name} ({loader.paths[name]}) holds token id {largest}, but model.vocab_size "
                             f"is {vocab_size}: its shards do not match its index.json; re-run scripts/prepare_data.py")
+
+
+def host_memory_available() -> int:
+    """Bytes the host can still give (MemAvailable), or the physical memory where /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_host_memory(global_batch: int, micro_batch: int, seq_len: int, world: int, vocab_size: int, dim: int,
+                      n_layers: int) -> None:
+    """On CPU, refuse before anything is allocated a batch the host cannot hold: this rank's rows of the global
+    batch (int64, twice: numpy and its tensor), and a micro-batch's activations, at least its logits (fp32, three
+    copies: logits, softmax, gradient) and ~20 fp32 tensors of width dim per layer. A lower bound: what it refuses
+    cannot run; without it the OOM killer ends the run with no word."""
+    rows = global_batch // max(world, 1) * (seq_len + 1) * 8 * 2
+    activations = micro_batch * seq_len * 4 * (3 * vocab_size + 20 * dim * n_layers)
+    available = host_memory_available()
+    if rows + activations > available:
+        raise UserError(f"train.global_batch={global_batch} and train.micro_batch={micro_batch} at seq_len {seq_len} "
+                        f"need at least {(rows + activations) / 2**30:,.1f} GiB of host memory per rank "
+                        f"({rows / 2**30:,.1f} GiB of batch, {activations / 2**30:,.1f} GiB of activations), but "
+                        f"{available / 2**30:,.1f} GiB are available: lower --train.micro_batch and "
+                        "--train.global_batch")
 
 
 _FEISTEL_ROUNDS = 6

@@ -1,5 +1,5 @@
 """The run directory's safety: one run at a time holds it (an OS lock, `lock_run_dir`), and a run does not start
-where it cannot write one more checkpoint (`check_free_space`)."""
+where it cannot write the checkpoints it keeps and its export (`check_room`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import IO
 
 import torch.distributed as dist
 
-from dsv3.checkpoint import _rank
-from dsv3.config import UserError
+from dsv3.checkpoint import _rank, checkpoints
+from dsv3.config import CheckpointConfig, UserError
 from dsv3.lockfile import take_lock
 from dsv3.safeopen import open_no_follow
 
@@ -71,9 +71,18 @@ def _size(n: float) -> str:
     return f"{n:.3g} TiB"
 
 
-def check_free_space(run_dir: str | Path, checkpoint_bytes: int) -> None:
-    """Refuse to start, on every rank, when `run_dir` is not writable from some rank or cannot hold one more
-    checkpoint."""
+def check_room(run_dir: str | Path, n_params: int, optimizer_state_dtype: str, ckpt: CheckpointConfig) -> None:
+    """Refuse to start where the run cannot write what it will hold at its fullest: checkpoint.keep checkpoints and
+    the one being written before rotation deletes the oldest (fewer to come when a resumed run holds some already),
+    then the export (fp32 weights). keep=0 keeps all: one more at least."""
+    held = len(checkpoints(run_dir))
+    coming = max(1, ckpt.keep + 1 - held) if ckpt.every and ckpt.keep else 1 if ckpt.every else 0
+    check_free_space(run_dir, estimated_bytes(n_params, optimizer_state_dtype), coming, 4 * n_params * ckpt.export)
+
+
+def check_free_space(run_dir: str | Path, checkpoint_bytes: int, n_checkpoints: int = 1, export_bytes: int = 0) -> None:
+    """Refuse to start, on every rank, when `run_dir` is not writable from some rank or cannot hold
+    `n_checkpoints` more checkpoints and the export."""
     run_dir = Path(run_dir)
     problem = None
     # ranks on several hosts of a shared filesystem may share a pid (containers): the name must be theirs alone
@@ -85,10 +94,15 @@ def check_free_space(run_dir: str | Path, checkpoint_bytes: int) -> None:
     except OSError as e:
         problem = f"checkpoint.dir={run_dir} is not writable ({e.strerror}): choose another --checkpoint.dir"
     else:
-        free = shutil.disk_usage(run_dir).free
-        if free < checkpoint_bytes:
-            problem = (f"checkpoint.dir={run_dir} has {_size(free)} free but one checkpoint needs about "
-                       f"{_size(checkpoint_bytes)}: free space, or choose another --checkpoint.dir")
+        free, needed = shutil.disk_usage(run_dir).free, n_checkpoints * checkpoint_bytes + export_bytes
+        parts = ([f"{'one checkpoint' if n_checkpoints == 1 else f'{n_checkpoints} checkpoints'} "
+                  f"({_size(checkpoint_bytes)} each, checkpoint.keep and the one being written)"
+                  if n_checkpoints > 1 else "one checkpoint"] if n_checkpoints else [])
+        parts += [f"the export ({_size(export_bytes)})"] if export_bytes else []
+        if free < needed:
+            problem = (f"checkpoint.dir={run_dir} has {_size(free)} free but {' and '.join(parts)} "
+                       f"{'need' if len(parts) > 1 or n_checkpoints > 1 else 'needs'} about {_size(needed)}: "
+                       "free space, lower --checkpoint.keep, or choose another --checkpoint.dir")
     if dist.is_initialized():  # a rank that stopped alone would leave the others in their first collective
         problems: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(problems, problem)

@@ -325,6 +325,22 @@ def test_a_run_directory_without_room_for_one_checkpoint_is_refused(tmp_path, mo
         rundir.check_free_space(tmp_path, 600 << 20)  # under 0.1 GiB: once "0.0 GiB free but ... about 0.6 GiB"
 
 
+def test_the_start_up_space_check_counts_the_kept_checkpoints_and_the_export(tmp_path, monkeypatch):
+    """Rotation holds checkpoint.keep checkpoints and the one being written; the export comes after them. A run
+    that passed a one-checkpoint check filled a 64 GiB disk at its end (two 17 GB checkpoints and the export)."""
+    from dsv3.config import CheckpointConfig
+    n_params = 10 << 20  # 120 MiB a checkpoint (fp32 moments), 40 MiB the export
+    monkeypatch.setattr(rundir.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 40, 1 << 40, 400 << 20))
+    with pytest.raises(UserError, match=r"has 400 MiB free but 4 checkpoints \(120 MiB each, checkpoint.keep and "
+                                        r"the one being written\) and the export \(40 MiB\) need about 520 MiB: "
+                                        r"free space, lower --checkpoint.keep"):
+        rundir.check_room(tmp_path, n_params, "fp32", CheckpointConfig(keep=3))
+    rundir.check_room(tmp_path, n_params, "fp32", CheckpointConfig(keep=2, export=False))  # 360 MiB
+    for step in (1, 2):  # a resumed run holds two already: one more to come
+        _save_linear(tmp_path, step)
+    rundir.check_room(tmp_path, n_params, "fp32", CheckpointConfig(keep=2))  # 120 + 40 MiB
+
+
 def _check_space_where_rank_1_cannot_write(rank: int, world: int, port: int, run_dir: Path, results: Path) -> None:
     torchrun_env(rank, world, port)
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))

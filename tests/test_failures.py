@@ -209,3 +209,16 @@ def test_a_user_error_is_one_line_with_exit_code_2(capsys):
         run_main(main)
     assert ended.value.code == failures.USER
     assert capsys.readouterr().err == "error: train.lr must be positive: set --train.lr=3e-4\n"
+
+
+def test_a_batch_the_host_cannot_hold_is_refused_before_it_is_allocated(data, tmp_path, capsys):
+    """The battery's --train.micro_batch=999999999 --train.global_batch=999999999 grew to 24 GB until the OOM
+    killer ended it with no message."""
+    with pytest.raises(SystemExit) as ended:
+        run_main(lambda: train.main([*TINY, f"--checkpoint.dir={tmp_path}", "--train.micro_batch=999999999",
+                                     "--train.global_batch=999999999"]))
+    assert ended.value.code == failures.USER
+    assert re.fullmatch(r"error: train.global_batch=999999999 and train.micro_batch=999999999 at seq_len 32 need at "
+                        r"least [\d,.]+ GiB of host memory per rank .* are available: lower --train.micro_batch and "
+                        r"--train.global_batch\n", capsys.readouterr().err)
+    assert not tmp_path.exists() or list(tmp_path.iterdir()) == []
