@@ -25,6 +25,7 @@ import re
 import shutil
 import sys
 import warnings
+import zipfile
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,6 +33,7 @@ from typing import IO, Any
 
 import torch
 import torch.distributed as dist
+from torch import _weights_only_unpickler  # what torch.load(weights_only=True) unpickles with
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -390,20 +392,76 @@ class _DataOnlyPlanner(DefaultLoadPlanner):
 
 
 def _code_in(path: Path) -> str | None:
-    """What in checkpoint `path` would run code when loaded (a planted pickle), or None."""
+    """What in checkpoint `path` would run code or fail to unpickle when loaded (a planted pickle), or None. Each
+    entry's pickle is read alone: a tensor's through torch's weights-only unpickler with its storage left on the
+    meta device, so a check of a 17 GB checkpoint reads kilobytes."""
     try:
         metadata = _DataOnlyReader(str(path)).read_metadata()
     except Exception as e:  # a damaged pickle fails in many ways
         return f"{path / '.metadata'} is not plain DCP metadata ({type(e).__name__}: {e})"
     for index, where in metadata.storage_data.items():
-        if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-            try:
-                with open(path / where.relative_path, "rb") as f:
+        try:
+            with open(path / where.relative_path, "rb") as f:
+                if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
                     f.seek(where.offset)
                     torch.load(io.BytesIO(f.read(where.length)), weights_only=True)
-            except Exception:
-                return f"{path / where.relative_path} entry {index.fqn} is not plain data (loading it would run code)"
+                else:
+                    _unpickle_tensor_entry(_Window(f, where.offset, where.length))
+        except pickle.UnpicklingError:
+            return f"{path / where.relative_path} entry {index.fqn} is not plain data (loading it would run code)"
+        except Exception as e:  # a damaged record: zipfile, pickle and torch fail in many ways
+            return f"{path / where.relative_path} entry {index.fqn} is damaged ({type(e).__name__}: {e})"
+    for rng in sorted(path.glob("rng-*.pt")):
+        try:
+            torch.load(rng, weights_only=True)
+        except Exception as e:
+            return f"{rng} is not plain data ({type(e).__name__})"
     return None
+
+
+class _Window(io.RawIOBase):
+    """Bytes [start, start + length) of the open file `f`, as a seekable file of their own."""
+
+    def __init__(self, f: IO[bytes], start: int, length: int):
+        super().__init__()
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence] + offset
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        wanted = max(0, min(len(buffer), self.length - self.pos))
+        self.f.seek(self.start + self.pos)
+        n = self.f.readinto(memoryview(buffer)[:wanted])
+        self.pos += n
+        return n
+
+
+def _unpickle_tensor_entry(entry: IO[bytes]) -> None:
+    """Unpickle a torch.save'd tensor's data.pkl as torch.load(weights_only=True) would (UnpicklingError for any
+    other global), its storages on the meta device: no tensor bytes are read."""
+    with zipfile.ZipFile(entry) as archive:
+        pickled = next(name for name in archive.namelist() if name.endswith("/data.pkl"))
+        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(archive.read(pickled)))
+
+    def meta_storage(saved_id: tuple) -> torch.storage.TypedStorage:
+        _, storage_type, _, _, numel = saved_id
+        dtype = storage_type.dtype if hasattr(storage_type, "dtype") else storage_type(0).dtype
+        untyped = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+    unpickler.persistent_load = meta_storage
+    unpickler.load()
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -418,7 +476,8 @@ def _restore_rng(path: Path) -> None:
     resume keeps the freshly seeded ones (one rank's stream has no counterpart at another world size)."""
     if {p.name for p in path.glob("rng-*.pt")} != {f"rng-{r}.pt" for r in range(_world())}:
         return
-    state = torch.load(path / f"rng-{_rank()}.pt", weights_only=True)
+    with _refused_pickle(path):
+        state = torch.load(path / f"rng-{_rank()}.pt", weights_only=True)
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -433,5 +492,19 @@ def load_model(path: str | Path, model: nn.Module) -> None:
 
 def _load_data_only(state: dict[str, Any], path: str | Path) -> None:
     """dcp.load of `state` from checkpoint `path`, running nothing it holds (_DataOnlyReader, _DataOnlyPlanner)."""
-    with _dcp_call():
+    with _refused_pickle(path), _dcp_call():
         dcp.load(state, storage_reader=_DataOnlyReader(str(path)), planner=_DataOnlyPlanner())
+
+
+@contextlib.contextmanager
+def _refused_pickle(path: str | Path) -> Iterator[None]:
+    """A pickle weights_only refuses is damage, not a prompt to load it with weights_only=False (torch's advice)."""
+    try:
+        yield
+    except (pickle.UnpicklingError, AssertionError) as e:  # DCP reports its metadata reader's error as the latter
+        if isinstance(e, AssertionError) and "no part of DCP's metadata" not in str(e):
+            raise
+        named = re.search(r"GLOBAL (\S+)|(\S+) is no part of DCP's metadata", str(e))
+        what = f"it names {named.group(1) or named.group(2)}" if named else type(e).__name__
+        raise UserError(f"checkpoint {path} holds a pickle that is not plain data ({what}): it is damaged or "
+                        "was tampered with; resume from the one before it (--resume does, after checking)") from None

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 from torch import nn
 # what HuggingFaceStorageWriter(enable_consolidation=True) runs, on rank 0 alone; torchtitan imports it the same way
 from torch.distributed.checkpoint._consolidate_hf_safetensors import (consolidate_safetensors_files,
@@ -22,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from dsv3.checkpoint import _barrier, _dcp_call, _rank
 from dsv3.config import FLAVORS, Config, ModelConfig, UserError, hf_checkpoint_error, saved_model_config
-from dsv3.hf import model_shapes, save_config
+from dsv3.hf import model_shapes, open_safetensors, save_config
 from dsv3.safeopen import refuse_link
 from dsv3.tokenizer import Tokenizer
 
@@ -37,7 +36,7 @@ def check_init_from(cfg: Config) -> str:
     if not files:
         raise UserError(f"checkpoint.init_from={path} holds no *.safetensors: point it at an export, or convert an "
                         f"HF model with python scripts/convert_hf.py --to-dsv3 HF_DIR OUT_DIR")
-    with safe_open(files[0], "pt") as f:
+    with open_safetensors(files[0]) as f:
         if any(name.startswith("model.") for name in f.keys()):  # HF's tensor names
             raise hf_checkpoint_error(path)
     saved, model = saved_model_config(path), cfg.model_config()
@@ -76,7 +75,7 @@ def load_weights(path: str | Path, model: nn.Module) -> None:
     state = get_model_state_dict(model)
     on_disk = set()
     for file in Path(path).glob("*.safetensors"):
-        with safe_open(file, "pt") as f:
+        with open_safetensors(file) as f:
             on_disk |= set(f.keys())
     missing, unexpected = sorted(state.keys() - on_disk), sorted(on_disk - state.keys())
     if missing or unexpected:

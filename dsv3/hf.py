@@ -13,20 +13,34 @@ dequantized to bf16 one weight at a time on import, as DeepSeek's own fp8_cast_b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import re
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from dsv3.config import ModelConfig, UserError
 from dsv3.model import Transformer
+
+
+@contextlib.contextmanager
+def open_safetensors(path: str | Path) -> Iterator[Any]:
+    """safe_open(path, "pt"); a damaged file (a header length past the file, offsets out of range, bad JSON) is a
+    UserError naming it instead of a SafetensorError traceback."""
+    try:
+        with safe_open(path, "pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise UserError(f"{path} is not a readable safetensors file ({e}): it is damaged or truncated; restore it, "
+                        "or write it again (export or convert)") from None
 
 # ours → HF, outside the blocks
 _TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",

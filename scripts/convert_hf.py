@@ -31,15 +31,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file without installing dsv3
 from dsv3.config import UserError, load_config_json, run_main  # noqa: E402
 from dsv3.hf import (FromHF, check_dsv3_keys, check_hf_keys, check_hf_represents, config_from_hf,  # noqa: E402
-                     config_to_hf, dequantize_fp8, fp8_block_size, fp8_scales, save_config,
-                     tensor_to_hf)
+                     config_to_hf, dequantize_fp8, fp8_block_size, fp8_scales, open_safetensors,
+                     save_config, tensor_to_hf)
 
 INDEX = "model.safetensors.index.json"
 # what transformers' AutoTokenizer (and generate's defaults) read from a checkpoint directory
@@ -50,7 +49,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def find_shards(src: Path) -> list[Path]:
     """The shards the index names, else every *.safetensors in src."""
     if (src / INDEX).exists():
-        names = sorted(set(json.loads((src / INDEX).read_text())["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads((src / INDEX).read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UserError(f"{src / INDEX} is not a safetensors index ({type(e).__name__}: {e}): it is damaged; "
+                            "restore it, or remove it to convert every *.safetensors in the directory") from None
+        if outside := [n for n in names if not isinstance(n, str) or Path(n).is_absolute() or ".." in Path(n).parts]:
+            raise UserError(f"{src / INDEX} names shards outside {src}: {outside[:3]}; a checkpoint reads only "
+                            "its own files")
         if missing := [n for n in names if not (src / n).is_file()]:
             raise UserError(f"{src / INDEX} names shards that are not in {src}: {', '.join(missing)}; "
                             f"download them or fix the index.")
@@ -78,7 +84,7 @@ def read_headers(shards: list[Path]) -> dict[str, Header]:
     """Every tensor's shard, dtype and shape from the safetensors headers, without reading any tensor."""
     headers = {}
     for shard in shards:
-        with safe_open(shard, framework="pt") as f:
+        with open_safetensors(shard) as f:
             for name in f.keys():
                 if name in headers:  # which copy is meant is unknown: one of the shards is stale or misplaced
                     raise UserError(f"{name} is in two shards, {headers[name].shard} and {shard}; "
@@ -90,14 +96,14 @@ def read_headers(shards: list[Path]) -> dict[str, Header]:
 
 def expert_biases(shards: list[Path]) -> Iterator[torch.Tensor]:
     for shard in shards:
-        with safe_open(shard, "pt") as f:
+        with open_safetensors(shard) as f:
             yield from (f.get_tensor(name) for name in f.keys() if name.endswith("expert_bias"))
 
 
 def read_tensors(shards: list[Path], total: int, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     with tqdm(total=total, unit="tensor", desc="converting") as progress:
         for shard in shards:
-            with safe_open(shard, framework="pt") as f:
+            with open_safetensors(shard) as f:
                 for name in f.keys():
                     if name not in skip:
                         yield name, f.get_tensor(name)
@@ -110,7 +116,7 @@ def dequantized(tensors: Iterator[tuple[str, torch.Tensor]], scales: dict[str, s
     own shard as its weight passes, since DeepSeek's release may keep the two in different shards."""
     for name, tensor in tensors:
         if name in scales:
-            with safe_open(headers[scales[name]].shard, framework="pt") as f:
+            with open_safetensors(headers[scales[name]].shard) as f:
                 tensor = dequantize_fp8(tensor, f.get_tensor(scales[name]), block)
         yield name, tensor
 

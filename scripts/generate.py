@@ -61,6 +61,8 @@ def load_model(path: Path, config: str | None, overrides: list[str],
     or `config` and `overrides`: the run's), and the tokenizer that travelled with it: the export's, or the run's
     data's."""
     exported = (path / "config.json").is_file()
+    if not exported and (path / ".metadata").is_file() and (problem := checkpoint.verify(path)):
+        raise UserError(f"{path} cannot be loaded: {problem}")  # before its train.json is read
     if exported:
         cfg, tokenizer = saved_model_config(path), find_tokenizer(path)
     elif not (path / ".metadata").is_file():
@@ -80,9 +82,6 @@ def load_model(path: Path, config: str | None, overrides: list[str],
     if exported:
         export.load_weights(path, model)
     else:
-        problem = checkpoint.verify(path)
-        if problem:
-            raise UserError(f"{path} cannot be loaded: {problem}")
         checkpoint.load_model(path, model)
     model.to(device)
     if device.type == "cuda":  # bf16 weights, as training computes on GPUs; RoPE tables and expert biases stay fp32

@@ -213,7 +213,8 @@ def test_overwritten_bytes_are_caught_by_the_checksum_unless_it_is_switched_off(
     saved = _save_linear(tmp_path, 1)
     shard = _largest_shard(saved)
     data = bytearray(shard.read_bytes())
-    data[-64:] = bytes(64)  # other finite values (zeros), same size
+    middle = len(data) // 3  # inside the weight's values, not the zip records around them
+    data[middle:middle + 64] = bytes(64)  # other finite values (zeros), same size
     shard.write_bytes(bytes(data))
     assert checkpoint.verify(saved, checksums=False) is None  # sizes only: the cheap check for huge runs
     assert checkpoint.verify(saved) == f"{shard} does not match its checksum (its bytes were altered)"
@@ -238,7 +239,7 @@ def _reseal(path: Path) -> None:
     (path / checkpoint.MANIFEST).write_text(json.dumps({"files": files}))
 
 
-@pytest.mark.parametrize("planted_in", [".metadata", "distcp-entry"])
+@pytest.mark.parametrize("planted_in", [".metadata", "distcp-entry", "distcp-tensor-entry", "rng"])
 def test_a_checkpoint_carrying_code_is_refused_without_running_it_and_resume_falls_back(tmp_path, capsys,
                                                                                         planted_in):
     _save_linear(tmp_path, 1)
@@ -246,9 +247,12 @@ def test_a_checkpoint_carrying_code_is_refused_without_running_it_and_resume_fal
     metadata = pickle.loads((saved / ".metadata").read_bytes())
     if planted_in == ".metadata":
         metadata.planner_data = _Payload(marker)
-    else:  # one non-tensor entry (an optimizer hyper-parameter) replaced by a pickle that runs code
+    elif planted_in == "rng":
+        torch.save(_Payload(marker), saved / "rng-0.pt")
+    else:  # one non-tensor entry (an optimizer hyper-parameter) or one tensor replaced by a pickle that runs code
+        tensor = planted_in == "distcp-tensor-entry"
         index = next(i for i in metadata.storage_data
-                     if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata))
+                     if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata) != tensor)
         where = metadata.storage_data[index]
         payload = io.BytesIO()
         torch.save(_Payload(marker), payload)
@@ -264,8 +268,10 @@ def test_a_checkpoint_carrying_code_is_refused_without_running_it_and_resume_fal
     assert len(warning) == 1 and warning[0].startswith(f"warning: checkpoint {saved} is damaged: {saved}/")
     assert "not plain" in warning[0]
     model = torch.nn.Linear(64, 64)
-    with pytest.raises(Exception, match="posix.system"):  # loaded directly, it is refused too
+    with pytest.raises(UserError, match=r"holds a pickle that is not plain data \(it names posix.system\): it is "
+                                        r"damaged or was tampered with") as refused:  # loaded directly, refused too
         checkpoint.load(tmp_path / "step-2.corrupt", model, torch.optim.AdamW(model.parameters()))
+    assert "weights_only" not in str(refused.value)  # torch's advice to unpickle it anyway
     assert not marker.exists()
 
 

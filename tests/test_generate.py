@@ -2,13 +2,17 @@
 continues a prompt as transformers' greedy generate does on the same export converted to HF; convert_hf.py --no-mtp
 leaves out the MTP tensors that transformers would list as UNEXPECTED."""
 
+import io
+import json
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import ROOT
-from dsv3 import export
-from dsv3.config import FLAVORS, UserError
+from dsv3 import checkpoint, export
+from dsv3.config import FLAVORS, UserError, load_config
 from dsv3.model import Transformer
 from dsv3.tokenizer import Tokenizer
 from scripts import convert_hf
@@ -67,8 +71,72 @@ def test_the_script_samples_from_an_export_reproducibly_per_seed(exported, capsy
     assert len({sample("--seed", str(seed), "--top-k", "0", "--temperature", "2") for seed in range(4)}) > 1
 
 
+def _checkpoint(run_dir, train_state: dict | None):
+    """A complete checkpoint of a small model; train_state None: one from before checkpoints recorded it."""
+    model = torch.nn.Linear(8, 8)
+    saved = checkpoint.save(run_dir, 5, model, torch.optim.AdamW(model.parameters()), train_state or {}, keep=0)
+    if train_state is None:
+        (saved / checkpoint.TRAIN_STATE).unlink()
+        manifest = json.loads((saved / checkpoint.MANIFEST).read_text())
+        del manifest["files"][checkpoint.TRAIN_STATE]
+        (saved / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    return saved
+
+
 def test_a_checkpoint_that_records_no_config_is_refused_naming_what_to_pass(tmp_path):
-    (tmp_path / "step-5").mkdir()
-    (tmp_path / "step-5" / ".metadata").write_bytes(b"")
+    saved = _checkpoint(tmp_path, None)
     with pytest.raises(UserError, match=r"records no model config: pass the run's own --config FILE.toml"):
-        main([str(tmp_path / "step-5"), "--device", "cpu"])
+        main([str(saved), "--device", "cpu"])
+
+
+def test_a_checkpoint_is_verified_before_its_train_json_is_read(tmp_path):
+    saved = _checkpoint(tmp_path, {"step": 5, "config": {}})
+    train_json = saved / checkpoint.TRAIN_STATE
+    train_json.write_text(train_json.read_text()[:7])  # truncated: once a JSONDecodeError traceback
+    with pytest.raises(UserError, match=rf"^{saved} cannot be loaded: {train_json} has \d+ bytes, the manifest says"):
+        main([str(saved), "--device", "cpu"])
+
+
+def test_a_pickle_in_a_checkpoint_tensor_is_one_line_not_torchs_unpickling_advice(tmp_path):
+    saved = _checkpoint(tmp_path, {"step": 5, "config": {}})
+    payload = io.BytesIO()
+    torch.save(_RunsCode(), payload)
+    (saved / "rng-0.pt").write_bytes(payload.getvalue())
+    files = {p.name: {"size": p.stat().st_size} for p in saved.iterdir()
+             if p.name not in (checkpoint.MANIFEST, checkpoint.UNCONFIRMED)}
+    (saved / checkpoint.MANIFEST).write_text(json.dumps({"files": files}))  # resealed, as its writer could
+    with pytest.raises(UserError, match=rf"^{saved} cannot be loaded: {saved / 'rng-0.pt'} is not plain data"):
+        main([str(saved), "--device", "cpu"])
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return print, ("this ran",)
+
+
+@pytest.mark.parametrize("damage", ["huge-header-length", "offsets-out-of-range", "bad-json"])
+def test_a_damaged_safetensors_header_is_one_line_naming_the_file(exported, tmp_path, damage):
+    """In generate.py, checkpoint.init_from and convert_hf.py alike: once a SafetensorError traceback."""
+    broken = tmp_path / "export"
+    shutil.copytree(exported, broken)
+    file = sorted(broken.glob("*.safetensors"))[0]
+    data = bytearray(file.read_bytes())
+    length = int.from_bytes(data[:8], "little")
+    if damage == "huge-header-length":
+        data[:8] = (1 << 62).to_bytes(8, "little")
+    elif damage == "offsets-out-of-range":
+        header = json.loads(data[8:8 + length])
+        name = next(k for k in header if k != "__metadata__")
+        header[name]["data_offsets"] = [0, 1 << 40]
+        text = json.dumps(header).encode()
+        data = bytearray(len(text).to_bytes(8, "little") + text + data[8 + length:])
+    else:
+        data[8:8 + length] = b"{" + b"x" * (length - 1)
+    file.write_bytes(bytes(data))
+    message = rf"^{file} is not a readable safetensors file \(.*\): it is damaged or truncated"
+    with pytest.raises(UserError, match=message):
+        main([str(broken), "--device", "cpu"])
+    with pytest.raises(UserError, match=message):
+        export.check_init_from(load_config(None, [f"--checkpoint.init_from={broken}"]))
+    with pytest.raises(UserError, match=message):
+        convert_hf.main(["--to-hf", str(broken), str(tmp_path / "hf")])
