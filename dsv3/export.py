@@ -104,12 +104,20 @@ def export(out_dir: str | Path, model: nn.Module, cfg: ModelConfig, tokenizer: T
     state = get_model_state_dict(model)
     file_of = _file_per_block(state)
     writer = dcp.HuggingFaceStorageWriter(str(tmp / "sharded"), fqn_to_index_mapping=file_of, save_distributed=True)
-    with _dcp_call():
-        dcp.save(state, storage_writer=writer)
-    if dist.is_initialized():
-        consolidate_safetensors_files_on_every_rank(str(tmp / "sharded"), str(tmp), file_of)
-    else:
-        consolidate_safetensors_files(str(tmp / "sharded"), str(tmp), file_of)
+    try:
+        with _dcp_call():
+            dcp.save(state, storage_writer=writer)
+        if dist.is_initialized():
+            consolidate_safetensors_files_on_every_rank(str(tmp / "sharded"), str(tmp), file_of)
+        else:
+            consolidate_safetensors_files(str(tmp / "sharded"), str(tmp), file_of)
+    except Exception as e:
+        if _rank() == 0:  # on a full disk its bytes are in the way of the resumed run that writes it again
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno is not None and not e.filename:  # DCP's writer names no file
+            e = OSError(e.errno, e.strerror, str(tmp)).with_traceback(e.__traceback__)
+        e.add_note(f"the half-written {tmp.name} was removed; the export is written again by --resume")
+        raise e
     _barrier()
     if _rank() == 0:
         shutil.rmtree(tmp / "sharded")

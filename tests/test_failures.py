@@ -111,6 +111,33 @@ run_main(lambda: train.main({TINY!r} + ["--checkpoint.dir={disk}", "--train.step
                         rf"continue: python train.py .* --resume", line), line
 
 
+def test_a_full_disk_during_the_export_names_the_checkpoint_and_resume_writes_it(tmp_path):
+    """As on the H200 whose two 17 GB checkpoints and the export filled 64 GiB, after all of the training."""
+    disk = tmp_path / "disk"
+    args = [*TINY, f"--checkpoint.dir={disk}", "--train.steps=2", "--checkpoint.every=2", "--checkpoint.export=true"]
+    code = f"""
+import os, sys
+sys.path.insert(0, "."); sys.path.insert(0, "tests")
+import train
+from dsv3 import export
+from dsv3.config import run_main
+{_FILL}
+class FillingWriter(export.dcp.HuggingFaceStorageWriter):
+    def write_data(self, plan, planner):
+        fill({str(disk)!r})
+        return super().write_data(plan, planner)
+export.dcp.HuggingFaceStorageWriter = FillingWriter
+run_main(lambda: train.main({args!r}))
+"""
+    ended = on_full_disk(disk, 64 << 10, code)
+    assert ended.returncode == failures.MACHINE, ended.stderr
+    line = one_line(ended.stderr)
+    assert re.fullmatch(rf"error: the disk is full at {disk}/export\.tmp \(the half-written export\.tmp was "
+                        r"removed; the export is written again by --resume\); the last complete checkpoint is "
+                        rf"{disk}/step-2; free space \(or choose another --checkpoint.dir\), then continue: python "
+                        r"train.py .* --resume", line), line
+
+
 def test_a_diverged_run_is_one_line_with_exit_code_4(data, tmp_path, monkeypatch, capsys):
     model_of = {}
     real_build = train.build_model
