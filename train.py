@@ -349,12 +349,13 @@ def main(argv: list[str] | None = None) -> None:
             checkpoint.save(run_dir, step, model, optimizer,
                             {"step": step, "data": loader.state_dict(), "guard": guard.state_dict(),
                              "config": resume_record(cfg)},
-                            cfg.checkpoint.keep, cfg.checkpoint.verify_checksums)
+                            cfg.checkpoint.keep, cfg.checkpoint.verify_checksums, cfg.checkpoint.async_save)
             unconfirmed.append(step)
         clock += time.perf_counter() - paused
         if stopping:
             break
     stop.restore()
+    checkpoint.wait_for_save()  # a background save is published before the run ends or exports
     # The last checkpoint stays unconfirmed: no step has judged its weights, and confirming it would let pruning
     # delete the last one a step vouched for, which a continued run that diverges at once falls back to.
     if not stopping:

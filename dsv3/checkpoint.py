@@ -24,6 +24,7 @@ import pickle
 import re
 import shutil
 import sys
+import threading
 import warnings
 import zipfile
 import zlib
@@ -38,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -67,12 +69,12 @@ def _move_aside(path: Path, suffix: str) -> None:
     os.replace(path, aside)
 
 
-def _barrier() -> None:
+def _barrier(group: Any = None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _on_rank_0(what: str, action: Callable[[], None]) -> None:
+def _on_rank_0(what: str, action: Callable[[], None], group: Any = None) -> None:
     """Run the filesystem step `action` on rank 0 alone; if it fails, every rank raises the same error. With a bare
     barrier after it, the other ranks waited there for a rank that had left, until the collective's timeout."""
     failure = None
@@ -83,7 +85,7 @@ def _on_rank_0(what: str, action: Callable[[], None]) -> None:
             failure = e
     report = [None if failure is None else f"{what} failed on rank 0: {type(failure).__name__}: {failure}"]
     if dist.is_initialized():
-        dist.broadcast_object_list(report, src=0)
+        dist.broadcast_object_list(report, src=0, group=group)
     if report[0] is not None:
         raise RuntimeError(report[0]) from failure
 
@@ -120,10 +122,12 @@ def _dcp_call() -> Iterator[None]:
 
 
 def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-         train_state: dict[str, Any], keep: int, checksums: bool = True) -> Path:
+         train_state: dict[str, Any], keep: int, checksums: bool = True, background: bool = False) -> Path:
     """Model (expert biases included: they are buffers), optimizer, `train_state` (JSON: step, data-loader
     position, ...; the same on every rank) and every rank's RNG state as `run_dir/step-{step}`, with its manifest,
-    unconfirmed; keeps the newest `keep` (and the newest confirmed one)."""
+    unconfirmed; keeps the newest `keep` (and the newest confirmed one). `background`: only the copy to host memory
+    happens here; the write, the manifest and the rename run in a thread (`wait_for_save`), one save at a time."""
+    wait_for_save()  # never two in flight
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step-{step}", run_dir / f"step-{step}.tmp"
     for path in (tmp, final):  # the save would go to a link's target
@@ -132,27 +136,89 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    if not background:
+        with _removed_when_failed(run_dir, tmp):
+            with _dcp_call():
+                dcp.save(state, checkpoint_id=str(tmp))
+            _finish(run_dir, tmp, final, train_state, _rng_state(), keep, checksums, group=None)
+            _rotate_on_rank_0(run_dir, keep)
+        return final
+    global _in_flight
+    group = _background_group()
+    if not dist.is_initialized():  # DCP's own thread warns as _dcp_call filters it (warning filters are global)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+    with _removed_when_failed(run_dir, tmp):
+        with _dcp_call():  # stages the device-to-host copy now, then writes in DCP's thread
+            written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group, async_stager=_stager())
+    rng = {name: value.clone() for name, value in _rng_state().items()}  # this step's streams, not the next ones'
+
+    def write_and_publish() -> None:
+        with _removed_when_failed(run_dir, tmp):
+            with _dcp_call():
+                written.result()
+            _finish(run_dir, tmp, final, train_state, rng, keep, checksums, group)
+
+    _in_flight = _Save(step, run_dir, keep, write_and_publish)
+    return final
+
+
+class _Save:
+    """A save writing in the background: its thread, and what the main thread owes it once it is done."""
+
+    def __init__(self, step: int, run_dir: Path, keep: int, work: Callable[[], None]):
+        self.step, self.run_dir, self.keep = step, run_dir, keep
+        self.confirmed, self.error = False, None
+        self.thread = threading.Thread(target=self._run, args=(work,), name=f"dsv3-save-{step}", daemon=True)
+        self.thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as e:  # raised again on the main thread, by wait_for_save
+            self.error = e
+
+
+_in_flight: _Save | None = None
+_group: Any = None  # gloo group of every rank for the background save's collectives, apart from training's
+_staging: Any = None  # DCP's stager, its (pinned, on CUDA) host buffers kept from one save to the next
+
+
+def _background_group() -> Any:
+    global _group
+    if dist.is_initialized() and _group is None:
+        _group = dist.new_group(backend="gloo")
+    return _group
+
+
+def _stager() -> Any:
+    global _staging
+    if _staging is None:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        _staging = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                use_async_staging=False, use_non_blocking_copy=False))
+    return _staging
+
+
+def wait_for_save() -> None:
+    """Block until the background save, if any, is published (and rotated); its failure is raised here."""
+    global _in_flight
+    pending, _in_flight = _in_flight, None
+    if pending is None:
+        return
+    pending.thread.join()
+    if pending.error is not None:
+        raise pending.error
+    if pending.confirmed:
+        confirm(pending.run_dir, pending.step, pending.keep)
+    else:
+        _rotate_on_rank_0(pending.run_dir, pending.keep)
+
+
+@contextlib.contextmanager
+def _removed_when_failed(run_dir: Path, tmp: Path) -> Iterator[None]:
+    """A failed save removes its step-N.tmp; a full disk is raised as ENOSPC naming it."""
     try:
-        with _dcp_call():
-            dcp.save(state, checkpoint_id=str(tmp))
-        if _rank() == 0:
-            _write_json(tmp / TRAIN_STATE, train_state)
-        with open(tmp / f"rng-{_rank()}.pt", "wb") as f:  # per rank: DCP keeps one copy of a plain tensor
-            torch.save(_rng_state(), f)
-            _sync(f)
-        _barrier()
-        manifest = _describe(tmp, checksums)  # every rank hashes a share of the files
-
-        def publish() -> None:
-            _write_json(tmp / MANIFEST, {"files": manifest})
-            (tmp / UNCONFIRMED).touch()
-            _sync_dir(tmp)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            _sync_dir(run_dir)  # on disk before _rotate deletes an older one: a node crash must not take both
-            _rotate(run_dir, keep)
-
-        _on_rank_0(f"renaming checkpoint {tmp} to {final}", publish)
+        yield
     except Exception as e:
         # judged before the half save is removed: its bytes are what filled the disk. torch.save's writer reports a
         # full disk as "unexpected pos N vs M" (no errno), DCP's rank-0 report as text
@@ -165,11 +231,41 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
             full.add_note(f"the half-written {tmp.name} was removed")
             raise full from e
         raise
-    return final
+
+
+def _finish(run_dir: Path, tmp: Path, final: Path, train_state: dict[str, Any], rng: dict[str, torch.Tensor],
+            keep: int, checksums: bool, group: Any) -> None:
+    """After DCP's files: the train state, this rank's RNG streams, the manifest, then the rename to step-N."""
+    if _rank() == 0:
+        _write_json(tmp / TRAIN_STATE, train_state)
+    with open(tmp / f"rng-{_rank()}.pt", "wb") as f:  # per rank: DCP keeps one copy of a plain tensor
+        torch.save(rng, f)
+        _sync(f)
+    _barrier(group)
+    manifest = _describe(tmp, checksums, group)  # every rank hashes a share of the files
+
+    def publish() -> None:
+        _write_json(tmp / MANIFEST, {"files": manifest})
+        (tmp / UNCONFIRMED).touch()
+        _sync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _sync_dir(run_dir)  # on disk before _rotate deletes an older one: a node crash must not take both
+
+    _on_rank_0(f"renaming checkpoint {tmp} to {final}", publish, group)
+
+
+def _rotate_on_rank_0(run_dir: Path, keep: int) -> None:
+    """Rotation on the main thread only: a background save's thread renames, it never deletes."""
+    _on_rank_0(f"rotating the checkpoints in {run_dir}", lambda: _rotate(run_dir, keep))
 
 
 def confirm(run_dir: str | Path, step: int, keep: int) -> None:
-    """Mark step-{step} healthy (the step after it trained with a sane loss) and rotate."""
+    """Mark step-{step} healthy (the step after it trained with a sane loss) and rotate; a step still being saved in
+    the background is marked once it is published (`wait_for_save`)."""
+    if _in_flight is not None and _in_flight.step == step:
+        _in_flight.confirmed = True
+        return
 
     def mark_and_rotate() -> None:
         (Path(run_dir) / f"step-{step}" / UNCONFIRMED).unlink(missing_ok=True)
@@ -186,6 +282,7 @@ def is_confirmed(path: Path) -> bool:
 def discard_after(run_dir: str | Path, step: int) -> Path | None:
     """After a divergence: move every checkpoint newer than `step` aside (as `step-N.diverged`, kept for
     inspection) so that `--resume` loads weights from before it; returns the newest one left."""
+    wait_for_save()
     run_dir = Path(run_dir)
 
     def move_newer_aside() -> None:
@@ -237,7 +334,7 @@ def _file_crc32(path: Path) -> int:
     return crc
 
 
-def _describe(directory: Path, checksums: bool) -> dict[str, dict[str, int]]:
+def _describe(directory: Path, checksums: bool, group: Any = None) -> dict[str, dict[str, int]]:
     """{name: {size, crc32}} of every file in `directory` (except the manifest and the marker); the files are
     hashed in shares, one per rank, and gathered on every rank."""
     names = sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
@@ -247,14 +344,14 @@ def _describe(directory: Path, checksums: bool) -> dict[str, dict[str, int]]:
         mine[name] = {"size": (directory / name).stat().st_size}
         if checksums:
             mine[name]["crc32"] = _file_crc32(directory / name)
-    return {name: entry for share in _gather(mine) for name, entry in share.items()}
+    return {name: entry for share in _gather(mine, group) for name, entry in share.items()}
 
 
-def _gather(value: Any) -> list[Any]:
+def _gather(value: Any, group: Any = None) -> list[Any]:
     if not dist.is_initialized():
         return [value]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 

@@ -262,6 +262,7 @@ class CheckpointConfig:
     keep: int = 3  # the newest N checkpoints; 0: all
     resume: bool = False  # continue from the newest checkpoint in dir (also: --resume)
     verify_checksums: bool = True  # on resume, checksum every file (sizes are always checked); off for huge runs
+    async_save: bool = False  # copy to host memory in the step, write in the background (docs/training.md)
     export: bool = True  # safetensors + config.json at the end
     # [model] overrides apply on top of the model its config.json describes, as long as no saved shape changes
     init_from: str = ""  # weights + model (their config.json) to start from: an export or convert_hf.py --to-dsv3 out

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import (consolidat
                                                                        consolidate_safetensors_files_on_every_rank)
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from dsv3.checkpoint import _barrier, _dcp_call, _rank
+from dsv3.checkpoint import _barrier, _dcp_call, _rank, wait_for_save
 from dsv3.config import FLAVORS, Config, ModelConfig, UserError, hf_checkpoint_error, saved_model_config
 from dsv3.hf import model_shapes, open_safetensors, save_config
 from dsv3.safeopen import refuse_link
@@ -94,6 +94,7 @@ def export(out_dir: str | Path, model: nn.Module, cfg: ModelConfig, tokenizer: T
 
     No process ever holds the whole model (a 671B one is 2.7 TB in fp32): every rank writes its own shards, then
     every rank assembles its share of the files from them, one tensor at a time."""
+    wait_for_save()  # a checkpoint still writing in the background comes first: the disk holds both
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     for path in (tmp, out_dir):  # the export would go to a link's target

@@ -40,6 +40,7 @@ ELSEWHERE = [
                                                                "runs the same commands on a tiny model)"),
     ("python scripts/bench.py", "a GPU benchmark: its config and overrides are checked"),
     ("python scripts/bench_fp8.py", "a GPU benchmark: its config and overrides are checked"),
+    ("python scripts/bench_save.py", "a GPU measurement (tests/test_async_save.py runs it on a tiny model)"),
     ("python scripts/bench_prepare.py", "minutes of 16 cores (tests/test_prepare.py checks the same paths)"),
     ("torchrun --nproc_per_node=2 scripts/bench_exchange.py", "2 GPUs"),
     ("scripts/install_deepep.sh", "builds DeepEP against CUDA"),

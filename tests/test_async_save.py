@@ -1,0 +1,132 @@
+"""checkpoint.async_save: the step copies the state to host memory, a thread writes it, publishes it by the same
+rename and never overlaps the next save; losses and checkpoints are those of the blocking save, and a kill -9 during
+the background write leaves the previous checkpoint as the one --resume takes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+import train
+from dsv3 import checkpoint
+from conftest import free_port, leave_process_group, read_metrics, torchrun_env
+
+ROOT = Path(__file__).resolve().parent.parent
+ARGS = ["--config", str(ROOT / "configs" / "debug.toml"), f"--data.path={ROOT / 'data' / 'stdlib'}", "--log.every=1",
+        "--model.n_layers=2", "--train.seq_len=32", "--train.global_batch=4", "--train.micro_batch=2",
+        "--train.val_every=0", "--checkpoint.export=false", "--train.steps=6", "--checkpoint.every=2",
+        "--checkpoint.keep=2"]
+
+
+def _crcs(path: Path) -> dict[str, int]:
+    """The checksums of the tensors and RNG streams (.metadata and train.json name the run's own directory)."""
+    files = json.loads((path / checkpoint.MANIFEST).read_text())["files"]
+    return {name: entry["crc32"] for name, entry in files.items() if name.endswith((".distcp", ".pt"))}
+
+
+def test_async_saves_give_the_blocking_saves_losses_and_checkpoints(data, tmp_path):
+    blocking = read_metrics_of(tmp_path / "blocking")
+    background = read_metrics_of(tmp_path / "background", "--checkpoint.async_save=true")
+    assert [row["loss"] for row in background.values()] == [row["loss"] for row in blocking.values()]
+    for step in (4, 6):
+        assert _crcs(tmp_path / "background" / f"step-{step}") == _crcs(tmp_path / "blocking" / f"step-{step}")
+    assert [p.name for p in checkpoint.checkpoints(tmp_path / "background")] == ["step-4", "step-6"]
+    resumed = {}
+    for name in ("blocking", "background"):
+        train.main([*ARGS, f"--checkpoint.dir={tmp_path / name}", "--train.steps=8", "--resume",
+                    "--checkpoint.async_save=true"])
+        resumed[name] = [read_metrics(tmp_path / name)[step]["loss"] for step in (7, 8)]
+    assert resumed["background"] == resumed["blocking"]
+
+
+def read_metrics_of(run_dir: Path, *overrides: str) -> dict[int, dict]:
+    train.main([*ARGS, f"--checkpoint.dir={run_dir}", *overrides])
+    return read_metrics(run_dir)
+
+
+def _save_linear(run_dir: Path, step: int, background: bool) -> Path:
+    torch.manual_seed(step)
+    model = torch.nn.Linear(64, 64)
+    return checkpoint.save(run_dir, step, model, torch.optim.AdamW(model.parameters()), {"step": step}, keep=2,
+                           background=background)
+
+
+def test_a_background_save_waits_for_the_one_before_and_is_confirmed_once_published(tmp_path):
+    _save_linear(tmp_path, 1, background=True)
+    checkpoint.confirm(tmp_path, 1, keep=2)  # its next step was healthy while it was still being written
+    _save_linear(tmp_path, 2, background=True)  # waits for step-1 first: never two in flight
+    assert checkpoint.verify(tmp_path / "step-1") is None and checkpoint.is_confirmed(tmp_path / "step-1")
+    checkpoint.wait_for_save()
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-1", "step-2"]
+    assert checkpoint.verify(tmp_path / "step-2") is None and not checkpoint.is_confirmed(tmp_path / "step-2")
+
+
+_SLOW_SAVE = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, "."); sys.path.insert(0, "tests")
+import train
+from torch.distributed.checkpoint import FileSystemWriter
+real_write = FileSystemWriter.write_data
+def slow_write(self, plan, planner):
+    if str(self.path).endswith("step-4.tmp"):  # the background write of step 4, the training goes on
+        Path(sys.argv[1]).write_text("writing")
+        time.sleep(600)
+    return real_write(self, plan, planner)
+FileSystemWriter.write_data = slow_write
+train.main(sys.argv[2:])
+"""
+
+
+def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint_for_resume(data, tmp_path):
+    run_dir, marker = tmp_path / "run", tmp_path / "writing"
+    args = [*ARGS, f"--checkpoint.dir={run_dir}", "--checkpoint.async_save=true"]
+    process = subprocess.Popen([sys.executable, "-c", _SLOW_SAVE, str(marker), *args], cwd=ROOT)
+    deadline = time.monotonic() + 300
+    while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), "the background write of step 4 never started"
+    time.sleep(1)  # the training thread has gone on to step 5 meanwhile
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert (run_dir / "step-4.tmp").is_dir() and checkpoint.resume_from(run_dir) == run_dir / "step-2"
+    train.main([*args, "--resume"])
+    assert [p.name for p in checkpoint.checkpoints(run_dir)] == ["step-4", "step-6"]
+    assert sorted(read_metrics(run_dir)) == list(range(1, 7))
+
+
+def _rank_main(rank: int, world: int, port: int, argv: list[str]) -> None:
+    torchrun_env(rank, world, port)
+    train.main(argv)
+    leave_process_group()
+
+
+def test_two_ranks_save_in_the_background_as_they_do_blocking(data, tmp_path):
+    """FSDP's sharded state staged by DCP on every rank; the write's collectives on a gloo group of their own."""
+    for name, overrides in (("blocking", []), ("background", ["--checkpoint.async_save=true"])):
+        argv = [*ARGS, f"--checkpoint.dir={tmp_path / name}", *overrides]
+        mp.spawn(_rank_main, args=(2, free_port(), argv), nprocs=2)
+    losses = {name: [row["loss"] for row in read_metrics(tmp_path / name).values()]
+              for name in ("blocking", "background")}
+    assert losses["background"] == losses["blocking"]
+    for step in (4, 6):
+        saved = tmp_path / "background" / f"step-{step}"
+        assert checkpoint.verify(saved) is None and _crcs(saved) == _crcs(tmp_path / "blocking" / f"step-{step}")
+
+
+def test_the_save_benchmark_reports_both_stalls_in_one_run(data, tmp_path):
+    """scripts/bench_save.py, the measurement of docs/training.md#checkpoints-that-do-not-stop-training, on CPU."""
+    ended = subprocess.run([sys.executable, "scripts/bench_save.py", "--config", "configs/debug.toml",
+                            "--model.n_layers=2", "--train.seq_len=32", "--train.global_batch=4",
+                            "--train.micro_batch=2", "--steps", "6", "--warmup", "1", "--dir", str(tmp_path / "bs")],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert ended.returncode == 0, ended.stderr
+    report = json.loads(ended.stdout.splitlines()[-1])
+    assert report["blocking_stall_s"] > 0 and report["background_stall_s"] > 0 and report["checkpoint_gb"] > 0
+    assert not (tmp_path / "bs").exists()
