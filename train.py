@@ -27,8 +27,9 @@ from dsv3.data import (MixtureLoader, PackedLoader, check_first_batch, check_sou
                        describe_mixture)
 from dsv3.determinism import make_deterministic
 from dsv3.lowp import quant
-from dsv3.metrics import (DivergenceGuard, MetricsLogger, expert_load_stats, flops_per_token, import_wandb,
-                          memory_stats, mfu, parameter_counts, peak_flops, run_summary, startup_banner)
+from dsv3.flops import flops_per_token, mfu, parameter_counts, peak_flops
+from dsv3.guard import DivergenceGuard
+from dsv3.metrics import MetricsLogger, expert_load_stats, import_wandb, memory_stats, run_summary, startup_banner
 from dsv3.model import Transformer
 from dsv3.moe import update_expert_bias
 from dsv3.plan import check_fits

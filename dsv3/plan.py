@@ -26,7 +26,7 @@ from typing import Callable
 from dsv3.config import Config, ModelConfig, UserError
 from dsv3.dispatch import SUPPORTED_EP
 from dsv3.parallel import moe_blocks_compile_whole
-from dsv3.metrics import attention_params, block_params, dense_and_expert_params, root_params
+from dsv3.flops import attention_params, block_params, dense_and_expert_params, root_params
 from dsv3.loss import LOSS_CHUNK
 from dsv3.lowp.quant import FEATURE_MULTIPLE
 
@@ -40,7 +40,7 @@ class GPU:
     memory_gib: float  # torch.cuda.get_device_properties().total_memory
     dense_tflops: float  # bf16 nn.Linear GEMMs, achieved
     grouped_tflops: float  # bf16 torch._grouped_mm (routed experts), achieved
-    attention_tflops: float  # cuDNN SDPA, causal, counted as in metrics.flops_per_token
+    attention_tflops: float  # cuDNN SDPA, causal, counted as in flops.flops_per_token
     hbm_tb_s: float
     nvlink_gb_s: float  # per direction per GPU, within a node
     source: str

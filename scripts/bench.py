@@ -34,8 +34,9 @@ import train  # noqa: E402
 from dsv3 import dispatch, parallel  # noqa: E402
 from dsv3.config import UserError, load_config, run_main  # noqa: E402
 from dsv3.determinism import make_deterministic  # noqa: E402
-from dsv3.metrics import flops_per_token, layer_flops_per_token, memory_stats, mfu, peak_flops  # noqa: E402
+from dsv3.flops import flops_per_token, layer_flops_per_token, mfu, peak_flops  # noqa: E402
 from dsv3.hashing import random_bits  # noqa: E402
+from dsv3.metrics import memory_stats  # noqa: E402
 from dsv3.model import MLP, Transformer  # noqa: E402
 from dsv3.moe import Router, Routing  # noqa: E402
 from dsv3.token_copies import pads_groups  # noqa: E402

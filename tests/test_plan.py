@@ -12,7 +12,7 @@ import torch
 import train
 from dsv3.config import FLAVORS, UserError, load_config, run_main
 from dsv3.model import Transformer
-from dsv3.metrics import block_params, dense_and_expert_params
+from dsv3.flops import block_params, dense_and_expert_params
 from dsv3.plan import (COLLECTIVE_EFFICIENCY, FIT_FRACTION, GIB, INFINIBAND_GB_S, _fixes, check_fits, layout_flags,
                        plan, search, train_hours)
 
