@@ -49,11 +49,11 @@ TRAIN_STATE = "train.json"  # the train_state `save` was given, written by rank 
 _CHUNK = 16 << 20
 
 
-def _rank() -> int:
+def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _world() -> int:
+def world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
@@ -64,7 +64,7 @@ def _move_aside(path: Path, suffix: str) -> None:
     os.replace(path, aside)
 
 
-def _barrier() -> None:
+def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
@@ -73,7 +73,7 @@ def _on_rank_0(what: str, action: Callable[[], None]) -> None:
     """Run the filesystem step `action` on rank 0 alone; if it fails, every rank raises the same error. With a bare
     barrier after it, the other ranks waited there for a rank that had left, until the collective's timeout."""
     failure = None
-    if _rank() == 0:
+    if rank() == 0:
         try:
             action()
         except Exception as e:
@@ -100,7 +100,7 @@ def step_of(path: Path) -> int:
 
 
 @contextlib.contextmanager
-def _dcp_call() -> Iterator[None]:
+def dcp_call() -> Iterator[None]:
     """Around a dcp.save or dcp.load. DCP wraps a rank's error in CheckpointException, a BaseException that
     `except Exception` misses and whose message is a traceback: the first failed rank's own error is raised instead
     (a full disk stays an OSError, Ctrl-C a KeyboardInterrupt). Without a process group DCP warns that it assumes a
@@ -122,19 +122,19 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
     unconfirmed; keeps the newest `keep` (and the newest confirmed one)."""
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step-{step}", run_dir / f"step-{step}.tmp"
-    if _rank() == 0:
+    if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    _barrier()
+    barrier()
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     try:
-        with _dcp_call():
+        with dcp_call():
             dcp.save(state, checkpoint_id=str(tmp))
-        if _rank() == 0:
+        if rank() == 0:
             _write_json(tmp / TRAIN_STATE, train_state)
-        with open(tmp / f"rng-{_rank()}.pt", "wb") as f:  # per rank: DCP keeps one copy of a plain tensor
+        with open(tmp / f"rng-{rank()}.pt", "wb") as f:  # per rank: DCP keeps one copy of a plain tensor
             torch.save(_rng_state(), f)
             _sync(f)
-        _barrier()
+        barrier()
         manifest = _describe(tmp, checksums)  # every rank hashes a share of the files
 
         def publish() -> None:
@@ -148,7 +148,7 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
 
         _on_rank_0(f"renaming checkpoint {tmp} to {final}", publish)
     except Exception as e:
-        if _rank() == 0:  # on a full disk, a half-written step-N.tmp would keep the resumed run from starting
+        if rank() == 0:  # on a full disk, a half-written step-N.tmp would keep the resumed run from starting
             shutil.rmtree(tmp, ignore_errors=True)
         # torch.save may wrap the OS error in its own ("enforce fail at inline_container")
         disk_full = getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e)
@@ -236,7 +236,7 @@ def _describe(directory: Path, checksums: bool) -> dict[str, dict[str, int]]:
     names = sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
                    if p.is_file() and p.name not in (MANIFEST, UNCONFIRMED))
     mine = {}
-    for name in names[_rank()::_world()]:
+    for name in names[rank()::world()]:
         mine[name] = {"size": (directory / name).stat().st_size}
         if checksums:
             mine[name]["crc32"] = _file_crc32(directory / name)
@@ -261,7 +261,7 @@ def verify(path: Path, checksums: bool = True) -> str | None:
         return f"{path / MANIFEST} is missing or unreadable ({e})"
     names = sorted(manifest)
     problems = []
-    for name in names[_rank()::_world()]:
+    for name in names[rank()::world()]:
         file, expected = path / name, manifest[name]
         if not file.is_file():
             problems.append(f"{file} is missing")
@@ -269,7 +269,7 @@ def verify(path: Path, checksums: bool = True) -> str | None:
             problems.append(f"{file} has {file.stat().st_size} bytes, the manifest says {expected['size']}")
         elif checksums and "crc32" in expected and _file_crc32(file) != expected["crc32"]:
             problems.append(f"{file} does not match its checksum (its bytes were altered)")
-    if _rank() == 0 and not problems and (code := _code_in(path)):  # the manifest can be rewritten with the files
+    if rank() == 0 and not problems and (code := _code_in(path)):  # the manifest can be rewritten with the files
         problems.append(code)
     problems = sorted(p for share in _gather(problems) for p in share)
     return "; ".join(problems) or None
@@ -293,7 +293,7 @@ def resume_from(run_dir: str | Path, checksums: bool = True) -> Path:
         problem = verify(path, checksums)
         if problem is None:
             return path
-        if _rank() == 0:
+        if rank() == 0:
             print(f"warning: checkpoint {path} is damaged: {problem}; moved aside as {path.name}.corrupt, "
                   f"trying the previous one", file=sys.stderr, flush=True)
         _on_rank_0(f"moving {path} aside", lambda: _move_aside(path, ".corrupt"))
@@ -411,9 +411,9 @@ def _rng_state() -> dict[str, torch.Tensor]:
 def _restore_rng(path: Path) -> None:
     """This rank's RNG streams as saved, when the world size is the one they were saved at; a resharded
     resume keeps the freshly seeded ones (one rank's stream has no counterpart at another world size)."""
-    if {p.name for p in path.glob("rng-*.pt")} != {f"rng-{r}.pt" for r in range(_world())}:
+    if {p.name for p in path.glob("rng-*.pt")} != {f"rng-{r}.pt" for r in range(world())}:
         return
-    state = torch.load(path / f"rng-{_rank()}.pt", weights_only=True)
+    state = torch.load(path / f"rng-{rank()}.pt", weights_only=True)
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -428,5 +428,5 @@ def load_model(path: str | Path, model: nn.Module) -> None:
 
 def _load_data_only(state: dict[str, Any], path: str | Path) -> None:
     """dcp.load of `state` from checkpoint `path`, running nothing it holds (_DataOnlyReader, _DataOnlyPlanner)."""
-    with _dcp_call():
+    with dcp_call():
         dcp.load(state, storage_reader=_DataOnlyReader(str(path)), planner=_DataOnlyPlanner())

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import (consolidat
                                                                        consolidate_safetensors_files_on_every_rank)
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from dsv3.checkpoint import _barrier, _dcp_call, _rank
+from dsv3.checkpoint import barrier, dcp_call, rank
 from dsv3.config import FLAVORS, Config, ModelConfig, UserError, hf_checkpoint_error, saved_model_config
 from dsv3.hf import model_shapes, save_config
 from dsv3.tokenizer import Tokenizer
@@ -82,7 +82,7 @@ def load_weights(path: str | Path, model: nn.Module) -> None:
         raise UserError(f"checkpoint.init_from={path} does not fit this model: missing {missing[:10]} "
                         f"({len(missing)}), unexpected {unexpected[:10]} ({len(unexpected)}); check the flavor "
                         f"and [model] overrides against its config.json")
-    with _dcp_call():
+    with dcp_call():
         dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
     set_model_state_dict(model, state)
 
@@ -96,27 +96,27 @@ def export(out_dir: str | Path, model: nn.Module, cfg: ModelConfig, tokenizer: T
     every rank assembles its share of the files from them, one tensor at a time."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if _rank() == 0:
+    if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    _barrier()
+    barrier()
     state = get_model_state_dict(model)
     file_of = _file_per_block(state)
     writer = dcp.HuggingFaceStorageWriter(str(tmp / "sharded"), fqn_to_index_mapping=file_of, save_distributed=True)
-    with _dcp_call():
+    with dcp_call():
         dcp.save(state, storage_writer=writer)
     if dist.is_initialized():
         consolidate_safetensors_files_on_every_rank(str(tmp / "sharded"), str(tmp), file_of)
     else:
         consolidate_safetensors_files(str(tmp / "sharded"), str(tmp), file_of)
-    _barrier()
-    if _rank() == 0:
+    barrier()
+    if rank() == 0:
         shutil.rmtree(tmp / "sharded")
         save_config(cfg, tmp / "config.json")
         if tokenizer is not None:
             tokenizer.save(tmp)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp, out_dir)
-    _barrier()
+    barrier()
 
 
 def _file_per_block(state: dict[str, Any]) -> dict[str, int]:

@@ -11,7 +11,7 @@ from typing import IO
 
 import torch.distributed as dist
 
-from dsv3.checkpoint import _rank
+from dsv3.checkpoint import rank as this_rank
 from dsv3.config import UserError
 from dsv3.lockfile import take_lock
 
@@ -24,7 +24,7 @@ def lock_run_dir(run_dir: str | Path, create: bool = True) -> None:
     (resuming) leaves a missing directory missing, for `resume_from` to report."""
     run_dir = Path(run_dir).resolve()
     problem = None
-    if _rank() == 0 and (create or run_dir.is_dir()):
+    if this_rank() == 0 and (create or run_dir.is_dir()):
         stale = _held_locks.pop(run_dir, None)  # an earlier run in this process that ended by an exception
         if stale is not None:
             stale.close()
@@ -74,7 +74,7 @@ def check_free_space(run_dir: str | Path, checkpoint_bytes: int) -> None:
     run_dir = Path(run_dir)
     problem = None
     # ranks on several hosts of a shared filesystem may share a pid (containers): the name must be theirs alone
-    probe = run_dir / f".write-test-{socket.gethostname()}-{_rank()}-{os.getpid()}"
+    probe = run_dir / f".write-test-{socket.gethostname()}-{this_rank()}-{os.getpid()}"
     try:
         probe.write_bytes(b"x")
         probe.unlink()
