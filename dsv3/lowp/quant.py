@@ -40,14 +40,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dsv3.config import UserError
+from dsv3.config import EXPERT_PRECISIONS, FP8_RECIPES, PRECISIONS, UserError
 from dsv3.lowp import BLOCK
 from dsv3.moe import GroupedExperts, MoE, swiglu
 from dsv3.token_copies import TokenCopies, row_of_slot, slot_gradients, sum_token_copies, weighted_row_sum
 
-PRECISIONS = ("bf16", "fp8", "mxfp8", "mxfp8-emulated")
-EXPERT_PRECISIONS = ("bf16", "low", "fp8-blockwise")
-FP8_RECIPES = ("rowwise", "tensorwise")
 # Rows per token group the low-precision grouped GEMMs need: fp8 rowwise `_scaled_grouped_mm` takes groups in
 # multiples of 16; MXFP8 quantizes the weight gradient's token dimension in blocks of 32 (emulated too, so that
 # its blocks never straddle two experts, like the real kernel's).
