@@ -13,6 +13,7 @@ import contextlib
 import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,12 +29,13 @@ from dsv3.data import (MixtureLoader, PackedLoader, check_first_batch, check_sou
 from dsv3.determinism import make_deterministic
 from dsv3.lowp import quant
 from dsv3.flops import flops_per_token, mfu, parameter_counts, peak_flops
-from dsv3.guard import DivergenceGuard
+from dsv3.guard import DivergenceGuard, Health
 from dsv3.metrics import MetricsLogger, expert_load_stats, import_wandb, memory_stats, run_summary, startup_banner
 from dsv3.model import Transformer
 from dsv3.moe import update_expert_bias
 from dsv3.plan import check_fits
 from dsv3.stop import StopSignal, resume_command
+from dsv3.tokenizer import Tokenizer
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
@@ -99,8 +101,7 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torc
     # every rank must hold the same expert bias: sum the counts over the whole global batch first
     tokens_per_expert = parallel.all_reduce_sum(tokens_per_expert)
     update_expert_bias(model.routers(), tokens_per_expert, bias_update_speed_at(step, t))
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    losses = parallel.all_reduce_sum(losses / len(micro_batches)) / world
+    losses = parallel.all_reduce_sum(losses / len(micro_batches)) / checkpoint.world()
     return torch.cat([losses, grad_norm.reshape(1).float()]), tokens_per_expert
 
 
@@ -188,11 +189,9 @@ def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
     return model
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--help" in argv or "-h" in argv:
-        print(help_text())
-        return
+def configure(argv: list[str]) -> tuple[Config, bool]:
+    """The config `argv` asks for (--config FILE, --resume, --section.key=value) and whether the run reads
+    checkpoint.init_from's weights: not when it resumes, its checkpoint holds them (and init_from may be gone)."""
     config_path, overrides = None, []
     args = iter(argv)
     for arg in args:
@@ -210,169 +209,211 @@ def main(argv: list[str] | None = None) -> None:
     recorded = checkpoint.recorded_model(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
     if recorded is not None and cfg.checkpoint.init_from:
         cfg.continue_model(recorded)
-    mcfg, t = cfg.model_config(), cfg.train
+    return cfg, bool(cfg.checkpoint.init_from) and recorded is None
 
-    if t.deterministic:  # before CUDA, cuBLAS and NCCL start
-        make_deterministic()
-    # Check every input before anything expensive is built.
-    rank, world, device = parallel.init_distributed(t.device)
+
+def check_inputs(cfg: Config, world: int, device: torch.device,
+                 reads_init_from: bool) -> tuple[str | None, Tokenizer | None]:
+    """Every input checked before anything expensive is built; (the memory plan's line on GPUs, the tokenizer)."""
     check_setup(cfg, world, device)
     memory_plan = None
     if device.type == "cuda":  # a config that cannot fit stops here, before any weight is allocated
         memory_plan = check_fits(cfg, world, torch.cuda.get_device_name(device),
                                  torch.cuda.get_device_properties(device).total_memory)
-    # a resumed run's weights come from its checkpoint: checkpoint.init_from is not read again (it may be gone)
-    init_from = cfg.checkpoint.init_from if recorded is None else ""
-    check_sources(cfg.data.mixture(), mcfg.vocab_size, init_from)
+    init_from = cfg.checkpoint.init_from if reads_init_from else ""
+    check_sources(cfg.data.mixture(), cfg.model_config().vocab_size, init_from)
     tokenizer = data_tokenizer(cfg.data.mixture())  # for the export; a damaged one stops the run now, not at the end
-    init_from_line = export.check_init_from(cfg) if init_from else ""
-    run_dir = Path(cfg.checkpoint.dir)
-    rundir.lock_run_dir(run_dir, create=not cfg.checkpoint.resume)  # one run per directory, until it ends
-    found = checkpoint.checkpoints(run_dir)
-    if found and not cfg.checkpoint.resume:
-        raise UserError(f"checkpoint.dir={run_dir} already holds checkpoints "
-                        f"({', '.join(p.name for p in found)}): continue that run "
-                        "with --resume, or give this one its own --checkpoint.dir")
-    resume_path = checkpoint.resume_from(run_dir, cfg.checkpoint.verify_checksums) if cfg.checkpoint.resume else None
-    saved = checkpoint.read_train_state(resume_path) if resume_path else None
-    for change in resume_changes(saved["config"], cfg) if saved else []:  # a change that breaks saved state stops
-        if rank == 0:
-            print(f"resume: {change}", flush=True)
-    finished = resume_path is not None and checkpoint.step_of(resume_path) >= t.steps
-    if finished and cfg.checkpoint.export and not (run_dir / "export").is_dir():
-        if rank == 0:  # a run killed while it exported: no step left, so the export is all it does
-            print(f"{resume_path} is the end of this run, but its export is missing: writing it", flush=True)
-    elif finished:
-        if rank == 0:
-            print(f"{resume_path} is the end of this run (train.steps={t.steps}): nothing to train; raise "
-                  f"--train.steps to continue it")
-        rundir.unlock_run_dir(run_dir)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return
-    n_params, _ = parameter_counts(mcfg)
-    rundir.check_free_space(run_dir, rundir.estimated_bytes(n_params, t.optimizer_state_dtype))
-    loader = MixtureLoader(cfg.data.mixture(), "train", t.seq_len, rank, world, seed=t.seed)
-    if t.val_every:
-        MixtureLoader(cfg.data.mixture(), "val", t.seq_len)  # fail now, not at the first validation
-    start_step = 0
-    guard = DivergenceGuard(t.loss_spike_factor, t.grad_norm_spike_factor)
-    if saved:  # the train state before the model is built: another dataset stops here
-        loader.load_state_dict(saved["data"])
-        start_step = saved["step"]
-        guard.load_state_dict(saved["guard"])  # a fresh guard would judge no spike in the first resumed steps
-    check_first_batch(loader, batch_at(start_step + 1, t, world), mcfg.vocab_size)
-    if rank == 0:
-        print(startup_banner(cfg, world, device, memory_plan.summary() if memory_plan else None,
-                             describe_mixture(loader, sum(batch_at(s, t, world) for s in range(1, t.steps + 1)))),
-              flush=True)
-        if init_from_line:
-            print(init_from_line, flush=True)
+    return memory_plan.summary() if memory_plan else None, tokenizer
 
+
+class Run:
+    """A training run around its model: the run directory (locked until `close`), the checkpoint it resumes from,
+    the data loader, the logger, and the health of its steps (dsv3.guard: a spike stops the run, a checkpoint is
+    confirmed by the healthy step after it)."""
+
+    def __init__(self, cfg: Config, rank: int, world: int, device: torch.device, reads_init_from: bool):
+        self.cfg, self.mcfg, self.rank, self.world, self.device = cfg, cfg.model_config(), rank, world, device
+        t = cfg.train
+        memory_plan, self.tokenizer = check_inputs(cfg, world, device, reads_init_from)
+        init_from_line = export.check_init_from(cfg) if reads_init_from else ""
+        self.run_dir, self.logger = Path(cfg.checkpoint.dir), None
+        rundir.lock_run_dir(self.run_dir, create=not cfg.checkpoint.resume)  # one run per directory, until it ends
+        saved = self._resume()
+        if self.done:
+            return
+        n_params, _ = parameter_counts(self.mcfg)
+        rundir.check_free_space(self.run_dir, rundir.estimated_bytes(n_params, t.optimizer_state_dtype))
+        self.loader = MixtureLoader(cfg.data.mixture(), "train", t.seq_len, rank, world, seed=t.seed)
+        if t.val_every:
+            MixtureLoader(cfg.data.mixture(), "val", t.seq_len)  # fail now, not at the first validation
+        guard = DivergenceGuard(t.loss_spike_factor, t.grad_norm_spike_factor)
+        self.start_step = 0
+        if saved:  # the train state before the model is built: another dataset stops here
+            self.loader.load_state_dict(saved["data"])
+            self.start_step = saved["step"]
+            guard.load_state_dict(saved["guard"])  # a fresh guard would judge no spike in the first resumed steps
+        self.health = Health(guard, self.run_dir, cfg.checkpoint.keep)
+        check_first_batch(self.loader, batch_at(self.start_step + 1, t, world), self.mcfg.vocab_size)
+        tokens = sum(batch_at(s, t, world) for s in range(1, t.steps + 1))
+        self.say(startup_banner(cfg, world, device, memory_plan, describe_mixture(self.loader, tokens)))
+        if init_from_line:
+            self.say(init_from_line)
+
+    def say(self, text: str) -> None:
+        if self.rank == 0:
+            print(text, flush=True)
+
+    def _resume(self) -> dict | None:
+        """Find the checkpoint to resume from and read its train state; `done` when it ends the run already."""
+        cfg, found = self.cfg, checkpoint.checkpoints(self.run_dir)
+        if found and not cfg.checkpoint.resume:
+            raise UserError(f"checkpoint.dir={self.run_dir} already holds checkpoints "
+                            f"({', '.join(p.name for p in found)}): continue that run "
+                            "with --resume, or give this one its own --checkpoint.dir")
+        path = checkpoint.resume_from(self.run_dir, cfg.checkpoint.verify_checksums) if cfg.checkpoint.resume else None
+        saved = checkpoint.read_train_state(path) if path else None
+        for change in resume_changes(saved["config"], cfg) if saved else []:  # a change that breaks saved state stops
+            self.say(f"resume: {change}")
+        self.resume_path, self.done = path, False
+        if path is None or checkpoint.step_of(path) < cfg.train.steps:
+            return saved
+        if cfg.checkpoint.export and not (self.run_dir / "export").is_dir():  # killed while it exported:
+            self.say(f"{path} is the end of this run, but its export is missing: writing it")  # the export is all
+        else:
+            self.say(f"{path} is the end of this run (train.steps={cfg.train.steps}): nothing to train; raise "
+                     f"--train.steps to continue it")
+            self.done = True
+        return saved
+
+    def begin(self, model: Transformer, optimizer: torch.optim.Optimizer) -> None:
+        """Load the weights the run resumes or starts from; open the logger and start the clock."""
+        cfg = self.cfg
+        if self.resume_path:
+            checkpoint.load(self.resume_path, model, optimizer)  # the train state was read before the build
+            if not checkpoint.is_confirmed(self.resume_path):  # the last run crashed right after saving it
+                self.health.saved(self.start_step)
+            self.say(f"resumed from {self.resume_path} at step {self.start_step}")
+        elif cfg.checkpoint.init_from:
+            export.load_weights(cfg.checkpoint.init_from, model)
+        self.logger = MetricsLogger(str(self.run_dir), asdict(cfg), enabled=self.rank == 0, use_wandb=cfg.log.wandb,
+                                    project=cfg.log.project, run_name=cfg.log.run_name, total_steps=cfg.train.steps,
+                                    start_step=self.start_step)
+        self.flops = flops_per_token(self.mcfg, cfg.train.seq_len)
+        self.peak = peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
+        self.clock, self.tokens_since = time.perf_counter(), 0
+
+    def stepped(self, step: int, values: torch.Tensor, tokens: int) -> None:
+        """Step `step` trained `tokens`; its values ([main, mtp, bal, gnorm] on device) are judged at the next flush."""
+        self.health.add(step, values)
+        self.tokens_since += tokens
+
+    def log(self, step: int, lr: float, global_batch: int, tokens_per_expert: torch.Tensor,
+            model: Transformer) -> None:
+        """One host sync judges the steps since the last log; the last one's losses, throughput and expert load."""
+        main_loss, mtp_loss, balance_loss, grad_norm = self.health.flush()
+        elapsed, self.clock = time.perf_counter() - self.clock, time.perf_counter()
+        tokens_per_s = self.tokens_since / elapsed
+        self.tokens_since = 0
+        metrics = {"loss": main_loss, "balance_loss": balance_loss, "grad_norm": grad_norm, "lr": lr,
+                   "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / self.world,
+                   "global_batch": global_batch}
+        if self.mcfg.n_mtp_layers:
+            metrics["mtp_loss"] = mtp_loss
+        if self.peak:
+            metrics["mfu"] = mfu(self.flops, tokens_per_s, self.world, self.peak)
+        metrics.update({f"tokens_seen/{name}": n for name, n in self.loader.tokens_seen().items()})
+        metrics.update(memory_stats())
+        metrics.update(expert_load_stats(tokens_per_expert, [r.expert_bias for r in model.routers()]))
+        self.logger.log(step, metrics)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Validation and saving inside are not training: their time stays out of tokens/s."""
+        paused = time.perf_counter()
+        yield
+        self.clock += time.perf_counter() - paused
+
+    def save(self, step: int, model: Transformer, optimizer: torch.optim.Optimizer) -> None:
+        self.health.flush()  # never save over the last good checkpoint with a diverged model
+        checkpoint.save(self.run_dir, step, model, optimizer,
+                        {"step": step, "data": self.loader.state_dict(), "guard": self.health.guard.state_dict(),
+                         "config": resume_record(self.cfg)},
+                        self.cfg.checkpoint.keep, self.cfg.checkpoint.verify_checksums)
+        self.health.saved(step)
+
+    def finish(self, model: Transformer, argv: list[str], step: int, stopping: StopSignal | None) -> None:
+        """The export and the summary at the end, or at a stop how to continue; then `close`."""
+        cfg, t = self.cfg, self.cfg.train
+        # The last checkpoint stays unconfirmed: no step has judged its weights, and confirming it would let pruning
+        # delete the last one a step vouched for, which a continued run that diverges at once falls back to.
+        if not stopping:
+            if cfg.checkpoint.export:
+                export.export(self.run_dir / "export", model, self.mcfg, self.tokenizer)
+            last = [p for p in checkpoint.checkpoints(self.run_dir) if checkpoint.step_of(p) == t.steps]  # the end's
+            self.say(run_summary(cfg.checkpoint.dir, str(last[-1]) if last else None,
+                                 str(self.run_dir / "export") if cfg.checkpoint.export else None,
+                                 resume_command(argv), t.steps))
+        else:
+            saved = (f"saved {self.run_dir / f'step-{step}'}; continue with: {resume_command(argv)}"
+                     if cfg.checkpoint.every else "nothing saved (checkpoint.every=0)")
+            self.say(f"stopped by {stopping.name} after step {step} of {t.steps}: {saved}")
+        self.close()
+
+    def close(self) -> None:
+        if self.logger:
+            self.logger.close()
+        rundir.unlock_run_dir(self.run_dir)
+        dispatch.close()  # DeepEP's buffer, if any: before the process group goes
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears the group down while another still talks to it
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Train the run `argv` describes (the module docstring); a UserError names the fix (config.run_main)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        return
+    cfg, reads_init_from = configure(argv)
+    t = cfg.train
+    if t.deterministic:  # before CUDA, cuBLAS and NCCL start
+        make_deterministic()
+    rank, world, device = parallel.init_distributed(t.device)
+    run = Run(cfg, rank, world, device, reads_init_from)
+    if run.done:
+        run.close()
+        return
     model = build_model(cfg, world, device)
     optimizer = build_optimizer(model, t, device)
-
-    unconfirmed: list[int] = []  # saved checkpoints whose next step has not been seen healthy yet
-    if resume_path:
-        checkpoint.load(resume_path, model, optimizer)  # the train state was read above
-        if not checkpoint.is_confirmed(resume_path):  # the last run crashed right after saving it
-            unconfirmed.append(start_step)
-        if rank == 0:
-            print(f"resumed from {resume_path} at step {start_step}")
-    elif cfg.checkpoint.init_from:
-        export.load_weights(cfg.checkpoint.init_from, model)
-
-    logger = MetricsLogger(str(run_dir), asdict(cfg), enabled=rank == 0, use_wandb=cfg.log.wandb,
-                           project=cfg.log.project, run_name=cfg.log.run_name, total_steps=t.steps,
-                           start_step=start_step)
-    flops = flops_per_token(mcfg, t.seq_len)
-    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    pending: list[tuple[int, torch.Tensor]] = []  # (step, [main, mtp, bal, gnorm] on device): no sync yet
-    clock, tokens_since = time.perf_counter(), 0
-
-    def flush() -> list[float] | None:
-        """One host sync for all steps since the last: stop on the first non-finite or spiking loss or grad norm,
-        confirm the checkpoints the healthy steps vouch for; the last step's values."""
-        values = torch.stack([v for _, v in pending]).tolist() if pending else []
-        for (step, _), row in zip(pending, values):
-            problem = guard.check(step, dict(zip(("loss", "mtp_loss", "balance_loss", "grad_norm"), row)))
-            if problem:  # the weights after step s-1 produced step s's values: only those up to s-2 are vouched for
-                kept = checkpoint.discard_after(run_dir, step - 2)
-                again = (f"the newest left is {kept}: --resume from it" if kept else
-                         "no checkpoint from before it is left: start the run again without --resume")
-                raise FloatingPointError(f"{problem}; newer checkpoints were moved aside (*.diverged), {again}, e.g. "
-                                         "with a lower --train.lr")
-            while unconfirmed and unconfirmed[0] < step:
-                checkpoint.confirm(run_dir, unconfirmed.pop(0), cfg.checkpoint.keep)
-        pending.clear()
-        return values[-1] if values else None
+    run.begin(model, optimizer)
 
     model.train()
-    stop, stopping = StopSignal(), None  # from here SIGTERM and SIGINT stop the run at a step's end, saved
-    for step in range(start_step + 1, t.steps + 1):
+    stop, stopping, step = StopSignal(), None, run.start_step  # SIGTERM, SIGINT: stop at a step's end, saved
+    for step in range(run.start_step + 1, t.steps + 1):
         lr = lr_at(step, t)
         for group in optimizer.param_groups:
             group["lr"] = lr
         global_batch = batch_at(step, t, world)
-        batch = parallel.to_device(loader.next_batch(global_batch), device)
+        batch = parallel.to_device(run.loader.next_batch(global_batch), device)
         values, tokens_per_expert = train_step(model, optimizer, batch, t, step,
                                                cfg.parallel.accumulate_unsharded_grads)
-        pending.append((step, values))
-        tokens_since += global_batch * t.seq_len
+        run.stepped(step, values, global_batch * t.seq_len)
         stopping = stop.agreed() if step < t.steps else None  # every rank alike: log this step, save it, leave
 
-        if step % cfg.log.every == 0 or step == t.steps or step == start_step + 1 or stopping:  # +1: first sign of life
-            main_loss, mtp_loss, balance_loss, grad_norm = flush()
-            elapsed, clock = time.perf_counter() - clock, time.perf_counter()
-            tokens_per_s = tokens_since / elapsed
-            tokens_since = 0
-            metrics = {"loss": main_loss, "balance_loss": balance_loss, "grad_norm": grad_norm, "lr": lr,
-                       "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / world,
-                       "global_batch": global_batch}
-            if mcfg.n_mtp_layers:
-                metrics["mtp_loss"] = mtp_loss
-            if peak:
-                metrics["mfu"] = mfu(flops, tokens_per_s, world, peak)
-            metrics.update({f"tokens_seen/{name}": n for name, n in loader.tokens_seen().items()})
-            metrics.update(memory_stats())
-            metrics.update(expert_load_stats(tokens_per_expert, [r.expert_bias for r in model.routers()]))
-            logger.log(step, metrics)
+        if step % cfg.log.every == 0 or step in (t.steps, run.start_step + 1) or stopping:  # +1: first sign of life
+            run.log(step, lr, global_batch, tokens_per_expert, model)
         if cfg.log.expert_load_every and (step % cfg.log.expert_load_every == 0 or step == t.steps):
-            logger.log_expert_load(step, tokens_per_expert)
-        paused = time.perf_counter()  # validation and saving are not training: keep them out of tokens/s
-        if t.val_every and (step % t.val_every == 0 or step == t.steps):
-            logger.log(step, evaluate(model, cfg, rank, world, device))
-        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == t.steps or stopping):
-            flush()  # never save over the last good checkpoint with a diverged model
-            checkpoint.save(run_dir, step, model, optimizer,
-                            {"step": step, "data": loader.state_dict(), "guard": guard.state_dict(),
-                             "config": resume_record(cfg)},
-                            cfg.checkpoint.keep, cfg.checkpoint.verify_checksums)
-            unconfirmed.append(step)
-        clock += time.perf_counter() - paused
+            run.logger.log_expert_load(step, tokens_per_expert)
+        with run.paused():
+            if t.val_every and (step % t.val_every == 0 or step == t.steps):
+                run.logger.log(step, evaluate(model, cfg, rank, world, device))
+            if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == t.steps or stopping):
+                run.save(step, model, optimizer)
         if stopping:
             break
     stop.restore()
-    # The last checkpoint stays unconfirmed: no step has judged its weights, and confirming it would let pruning
-    # delete the last one a step vouched for, which a continued run that diverges at once falls back to.
-    if not stopping:
-        if cfg.checkpoint.export:
-            export.export(run_dir / "export", model, mcfg, tokenizer)
-        if rank == 0:
-            last = [p for p in checkpoint.checkpoints(run_dir) if checkpoint.step_of(p) == t.steps]  # the end's
-            print(run_summary(cfg.checkpoint.dir, str(last[-1]) if last else None,
-                              str(run_dir / "export") if cfg.checkpoint.export else None, resume_command(argv),
-                              t.steps), flush=True)
-    elif rank == 0:
-        saved = (f"saved {run_dir / f'step-{step}'}; continue with: {resume_command(argv)}" if cfg.checkpoint.every
-                 else "nothing saved (checkpoint.every=0)")
-        print(f"stopped by {stopping.name} after step {step} of {t.steps}: {saved}", flush=True)
-    logger.close()
-    rundir.unlock_run_dir(run_dir)
-    dispatch.close()  # DeepEP's buffer, if any: before the process group goes
-    if dist.is_initialized():
-        dist.barrier()  # no rank tears the group down while another still talks to it
-        dist.destroy_process_group()
+    run.finish(model, argv, step, stopping)
     if stopping:
         sys.exit(128 + stopping)  # 143 for SIGTERM, 130 for SIGINT: "ended by a signal", which schedulers requeue
 
