@@ -74,7 +74,7 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torc
     has it sum full unsharded gradients until the last one: fewer collectives, but a full fp32 gradient per rank.
     Returns ([main, mtp, balance, grad_norm] as one device tensor, global tokens_per_expert [L, E])."""
     micro_batches = batch.split(t.micro_batch)
-    copies = getattr(model, "compute_copies", None)  # one GPU: bf16 copies of the fp32 weights (dsv3.optim)
+    copies = optimizer.compute_copies if isinstance(optimizer, optim.AdamW) else None  # bf16 weights it writes
     mtp_weight = mtp_lambda_at(step, t) / max(len(model.mtp), 1)
     losses = torch.zeros(3, device=batch.device)
     tokens_per_expert = 0
@@ -106,13 +106,13 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch: torc
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, cfg: Config, rank: int, world: int, device: torch.device) -> dict[str, float]:
+def evaluate(model: Transformer, cfg: Config, rank: int, world: int, device: torch.device,
+             copies: optim.ComputeCopies | None = None) -> dict[str, float]:
     """Main-head loss over the first val_batches × global_batch sequences of each source's validation split, or as
     many whole batches as the split holds (at least one): the same sequences on every call and at every world
     size, so val losses of differently sharded runs compare. `val_loss` weighs the sources by their shares; with
     several sources each has its own `val_loss/NAME` too."""
     t = cfg.train
-    copies = getattr(model, "compute_copies", None)
     model.eval()  # the main loss only: no MTP modules, no balance loss
     losses, mixture = {}, cfg.data.mixture()
     for name, path, _ in mixture:
@@ -131,14 +131,14 @@ def evaluate(model: Transformer, cfg: Config, rank: int, world: int, device: tor
     return result
 
 
-def build_optimizer(model: Transformer, t: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: Transformer, t: TrainConfig, device: torch.device,
+                    compute_copies: optim.ComputeCopies | None = None) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices only (norm scales are not decayed). dsv3.optim's, which takes the
     clipping factor into its step, for bf16 moments (paper §3.3) and for a model with compute copies; else
     torch's (fused on CUDA)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    compute_copies = getattr(model, "compute_copies", None)
     if t.optimizer_state_dtype == "bf16" or compute_copies is not None:
         state_dtype = torch.bfloat16 if t.optimizer_state_dtype == "bf16" else torch.float32
         return optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), state_dtype=state_dtype,
@@ -160,10 +160,11 @@ def check_setup(cfg: Config, world: int, device: torch.device) -> None:
         import_wandb()
 
 
-def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
+def build_model(cfg: Config, world: int, device: torch.device) -> tuple[Transformer, optim.ComputeCopies | None]:
     """Build → low precision (dsv3.lowp.quant) → EP → activation checkpointing → compile → FSDP2, then materialise.
     On CUDA the model is built on the meta device so only this rank's shards are ever allocated. Its weights are
-    fp32; on CUDA it computes in bf16: FSDP2's mixed precision, or at one rank (no FSDP) `model.compute_copies`."""
+    fp32; on CUDA it computes in bf16: FSDP2's mixed precision, or at one rank (no FSDP) the compute copies returned
+    beside it (dsv3.optim.ComputeCopies; also the routed experts' at ep == world)."""
     mcfg, t = cfg.model_config(), cfg.train
     torch.manual_seed(t.seed)
     with torch.device("meta" if device.type == "cuda" else device):
@@ -179,14 +180,15 @@ def build_model(cfg: Config, world: int, device: torch.device) -> Transformer:
         parallel.apply_compile(model, world)
     param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # plain fp32 on CPU
     unsharded = parallel.apply_fsdp(model, meshes, param_dtype, torch.float32, cfg.parallel.ep) if world > 1 else []
+    copies = None
     if device.type == "cuda":
         model.to_empty(device=device)
         model.init_weights()
         if world == 1:
-            model.compute_copies = optim.ComputeCopies(model, torch.bfloat16, quant.own_compute_copy)
+            copies = optim.ComputeCopies(model, torch.bfloat16, quant.own_compute_copy)
     if unsharded:  # the routed experts at ep == world, which FSDP leaves alone
-        model.compute_copies = optim.ComputeCopies(model, param_dtype, params=unsharded, grad_divisor=world)
-    return model
+        copies = optim.ComputeCopies(model, param_dtype, params=unsharded, grad_divisor=world)
+    return model, copies
 
 
 def configure(argv: list[str]) -> tuple[Config, bool]:
@@ -384,8 +386,8 @@ def main(argv: list[str] | None = None) -> None:
     if run.done:
         run.close()
         return
-    model = build_model(cfg, world, device)
-    optimizer = build_optimizer(model, t, device)
+    model, copies = build_model(cfg, world, device)
+    optimizer = build_optimizer(model, t, device, copies)
     run.begin(model, optimizer)
 
     model.train()
@@ -407,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
             run.logger.log_expert_load(step, tokens_per_expert)
         with run.paused():
             if t.val_every and (step % t.val_every == 0 or step == t.steps):
-                run.logger.log(step, evaluate(model, cfg, rank, world, device))
+                run.logger.log(step, evaluate(model, cfg, rank, world, device, copies))
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == t.steps or stopping):
                 run.save(step, model, optimizer)
         if stopping:

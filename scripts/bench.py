@@ -290,12 +290,12 @@ def main() -> None:
     train.check_setup(cfg, world, device)
     if args.one_rank_exchange and (world > 1 or device.type != "cuda"):  # before the model is built
         raise UserError("--one-rank-exchange measures EP's code path on one GPU: run it without torchrun, on CUDA")
-    model = train.build_model(cfg, world, device)
+    model, copies = train.build_model(cfg, world, device)
     if args.one_rank_exchange:
         install_one_rank_exchange(model, device)
     if args.balanced_routing:
         install_balanced_routing(model)
-    optimizer = train.build_optimizer(model, t, device)
+    optimizer = train.build_optimizer(model, t, device, copies)
     local_batch = t.global_batch // world
     generator = torch.Generator(device="cpu").manual_seed(rank)
 

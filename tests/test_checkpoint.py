@@ -424,7 +424,7 @@ def _with_compute_copies(seed: int = 0) -> tuple[Transformer, torch.optim.Optimi
     model = Transformer(replace(FLAVORS["debug"], n_layers=2, max_seq_len=32))
     model.compute_copies = optim.ComputeCopies(model, torch.bfloat16)
     t = TrainConfig(global_batch=2, micro_batch=2, seq_len=32, optimizer_state_dtype="bf16")
-    return model, train.build_optimizer(model, t, torch.device("cpu")), t
+    return model, train.build_optimizer(model, t, torch.device("cpu"), model.compute_copies), t
 
 
 @pytest.mark.slow

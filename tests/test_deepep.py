@@ -363,14 +363,13 @@ STEPS = 3
 def _gpu_run(cfg: Config, world: int, rank: int, device: torch.device, starve: bool = False) -> dict:
     """First-step local gradient shards (no update), then STEPS optimizer steps' losses."""
     t = cfg.train
-    model = train.build_model(cfg, world, device)
+    model, copies = train.build_model(cfg, world, device)  # copies: the routed experts at ep == world
     if starve:
         for router in model.routers():
             router.expert_bias[-router.n_experts // world:] = -1e3
     tokens = torch.randint(0, cfg.model_config().vocab_size, (STEPS + 1, t.global_batch, t.seq_len + 1),
                            generator=torch.Generator().manual_seed(1))
     local = tokens[:, rank * t.micro_batch:(rank + 1) * t.micro_batch].to(device)
-    copies = getattr(model, "compute_copies", None)  # the routed experts at ep == world
     with copies.active() if copies else contextlib.nullcontext():
         out = model(local[0][:, :-1], local[0][:, 1:])
         (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
@@ -379,7 +378,7 @@ def _gpu_run(cfg: Config, world: int, rank: int, device: torch.device, starve: b
     model.zero_grad(set_to_none=True)
     if copies:
         copies.zero_grad()
-    optimizer = train.build_optimizer(model, t, device)
+    optimizer = train.build_optimizer(model, t, device, copies)
     losses = [train.train_step(model, optimizer, local[step], t, step)[0][:3].tolist() for step in range(1, STEPS + 1)]
     return {"grads": grads, "losses": torch.tensor(losses)}
 

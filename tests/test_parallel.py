@@ -64,7 +64,7 @@ def _run(model: Transformer, batches: torch.Tensor, rank: int, world: int, train
     model.zero_grad(set_to_none=True)
     if copies:
         copies.zero_grad()
-    optimizer = build_optimizer(model, train, torch.device("cpu"))
+    optimizer = build_optimizer(model, train, torch.device("cpu"), copies)
     losses = []
     for step in range(1, STEPS + 1):
         for group in optimizer.param_groups:
@@ -240,8 +240,7 @@ def _compiled_ep_worker(rank: int, world: int, port: int, out_path: str) -> None
     for compile in (False, True):
         cfg = Config(flavor="debug", parallel=ParallelConfig(ep=world),
                      train=TrainConfig(global_batch=4 * world, micro_batch=4, seq_len=128, compile=compile))
-        model = build_model(cfg, world, device)  # seeds from train.seed
-        copies = getattr(model, "compute_copies", None)  # the routed experts at ep == world
+        model, copies = build_model(cfg, world, device)  # seeds from train.seed; copies: the experts at ep == world
         with copies.active() if copies else contextlib.nullcontext():
             out = model(local[:, :-1], local[:, 1:])
             (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
@@ -567,7 +566,7 @@ def _accumulation_worker(rank: int, world: int, port: int, out_path: str) -> Non
     for accumulate in (False, True):
         torch.manual_seed(0)
         model = _parallelize(Transformer(CFG), world, ep=2)
-        optimizer = build_optimizer(model, TRAIN, torch.device("cpu"))
+        optimizer = build_optimizer(model, TRAIN, torch.device("cpu"), getattr(model, "compute_copies", None))
         held_per_forward = []
         probe = model.register_forward_pre_hook(lambda *_: held_per_forward.append(_unsharded_grads_held(model)),
                                                 prepend=True)  # before FSDP's own pre-forward unshards anything
@@ -605,7 +604,7 @@ def _copies_worker(rank: int, port: int, ac: str, out_path: str) -> None:
         else:
             parallel.apply_activation_checkpointing(model, ac)
             model.compute_copies = optim.ComputeCopies(model, torch.bfloat16)
-        optimizer = build_optimizer(model, train, torch.device("cpu"))
+        optimizer = build_optimizer(model, train, torch.device("cpu"), getattr(model, "compute_copies", None))
         name_of = {p: _unwrapped(n) for n, p in model.named_parameters()}
         params = [p for group in optimizer.param_groups for p in group["params"]]
         first_grads = {name_of[p]: _full(g).clone() for p, g in zip(params, _grads_of_first_step(optimizer))}
