@@ -29,7 +29,7 @@ from dsv3.data import (MixtureLoader, PackedLoader, check_first_batch, check_sou
 from dsv3.determinism import make_deterministic
 from dsv3.lowp import quant
 from dsv3.flops import flops_per_token, mfu, parameter_counts, peak_flops
-from dsv3.guard import DivergenceGuard, Health
+from dsv3.guard import DivergenceGuard
 from dsv3.metrics import MetricsLogger, expert_load_stats, import_wandb, memory_stats, run_summary, startup_banner
 from dsv3.model import Transformer
 from dsv3.moe import update_expert_bias
@@ -230,8 +230,8 @@ def check_inputs(cfg: Config, world: int, device: torch.device,
 
 class Run:
     """A training run around its model: the run directory (locked until `close`), the checkpoint it resumes from,
-    the data loader, the logger, and the health of its steps (dsv3.guard: a spike stops the run, a checkpoint is
-    confirmed by the healthy step after it)."""
+    the data loader, the logger, and the health of its steps: the guard (dsv3.guard) stops a spiking run, and a
+    checkpoint is confirmed once the step after it is seen healthy."""
 
     def __init__(self, cfg: Config, rank: int, world: int, device: torch.device, reads_init_from: bool):
         self.cfg, self.mcfg, self.rank, self.world, self.device = cfg, cfg.model_config(), rank, world, device
@@ -248,13 +248,14 @@ class Run:
         self.loader = MixtureLoader(cfg.data.mixture(), "train", t.seq_len, rank, world, seed=t.seed)
         if t.val_every:
             MixtureLoader(cfg.data.mixture(), "val", t.seq_len)  # fail now, not at the first validation
-        guard = DivergenceGuard(t.loss_spike_factor, t.grad_norm_spike_factor)
+        self.guard = DivergenceGuard(t.loss_spike_factor, t.grad_norm_spike_factor)
+        self.pending: list[tuple[int, torch.Tensor]] = []  # (step, [main, mtp, bal, gnorm] on device): no sync yet
+        self.unconfirmed: list[int] = []  # saved checkpoints whose next step has not been seen healthy yet
         self.start_step = 0
         if saved:  # the train state before the model is built: another dataset stops here
             self.loader.load_state_dict(saved["data"])
             self.start_step = saved["step"]
-            guard.load_state_dict(saved["guard"])  # a fresh guard would judge no spike in the first resumed steps
-        self.health = Health(guard, self.run_dir, cfg.checkpoint.keep)
+            self.guard.load_state_dict(saved["guard"])  # a fresh guard would judge no spike in the first resumed steps
         check_first_batch(self.loader, batch_at(self.start_step + 1, t, world), self.mcfg.vocab_size)
         tokens = sum(batch_at(s, t, world) for s in range(1, t.steps + 1))
         self.say(startup_banner(cfg, world, device, memory_plan, describe_mixture(self.loader, tokens)))
@@ -293,7 +294,7 @@ class Run:
         if self.resume_path:
             checkpoint.load(self.resume_path, model, optimizer)  # the train state was read before the build
             if not checkpoint.is_confirmed(self.resume_path):  # the last run crashed right after saving it
-                self.health.saved(self.start_step)
+                self.unconfirmed.append(self.start_step)
             self.say(f"resumed from {self.resume_path} at step {self.start_step}")
         elif cfg.checkpoint.init_from:
             export.load_weights(cfg.checkpoint.init_from, model)
@@ -306,13 +307,30 @@ class Run:
 
     def stepped(self, step: int, values: torch.Tensor, tokens: int) -> None:
         """Step `step` trained `tokens`; its values ([main, mtp, bal, gnorm] on device) are judged at the next flush."""
-        self.health.add(step, values)
+        self.pending.append((step, values))
         self.tokens_since += tokens
+
+    def flush(self) -> list[float] | None:
+        """One host sync for all steps since the last: stop on the first non-finite or spiking loss or grad norm,
+        confirm the checkpoints the healthy steps vouch for; the last step's values."""
+        values = torch.stack([v for _, v in self.pending]).tolist() if self.pending else []
+        for (step, _), row in zip(self.pending, values):
+            problem = self.guard.check(step, dict(zip(("loss", "mtp_loss", "balance_loss", "grad_norm"), row)))
+            if problem:  # the weights after step s-1 produced step s's values: only those up to s-2 are vouched for
+                kept = checkpoint.discard_after(self.run_dir, step - 2)
+                again = (f"the newest left is {kept}: --resume from it" if kept else
+                         "no checkpoint from before it is left: start the run again without --resume")
+                raise FloatingPointError(f"{problem}; newer checkpoints were moved aside (*.diverged), {again}, e.g. "
+                                         "with a lower --train.lr")
+            while self.unconfirmed and self.unconfirmed[0] < step:
+                checkpoint.confirm(self.run_dir, self.unconfirmed.pop(0), self.cfg.checkpoint.keep)
+        self.pending.clear()
+        return values[-1] if values else None
 
     def log(self, step: int, lr: float, global_batch: int, tokens_per_expert: torch.Tensor,
             model: Transformer) -> None:
         """One host sync judges the steps since the last log; the last one's losses, throughput and expert load."""
-        main_loss, mtp_loss, balance_loss, grad_norm = self.health.flush()
+        main_loss, mtp_loss, balance_loss, grad_norm = self.flush()
         elapsed, self.clock = time.perf_counter() - self.clock, time.perf_counter()
         tokens_per_s = self.tokens_since / elapsed
         self.tokens_since = 0
@@ -336,12 +354,12 @@ class Run:
         self.clock += time.perf_counter() - paused
 
     def save(self, step: int, model: Transformer, optimizer: torch.optim.Optimizer) -> None:
-        self.health.flush()  # never save over the last good checkpoint with a diverged model
+        self.flush()  # never save over the last good checkpoint with a diverged model
         checkpoint.save(self.run_dir, step, model, optimizer,
-                        {"step": step, "data": self.loader.state_dict(), "guard": self.health.guard.state_dict(),
+                        {"step": step, "data": self.loader.state_dict(), "guard": self.guard.state_dict(),
                          "config": resume_record(self.cfg)},
                         self.cfg.checkpoint.keep, self.cfg.checkpoint.verify_checksums)
-        self.health.saved(step)
+        self.unconfirmed.append(step)
 
     def finish(self, model: Transformer, argv: list[str], step: int, stopping: StopSignal | None) -> None:
         """The export and the summary at the end, or at a stop how to continue; then `close`."""

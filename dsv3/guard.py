@@ -1,15 +1,9 @@
-"""The divergence guard and checkpoint confirmation: a run stops at the first non-finite or spiking loss or grad
-norm, and a checkpoint is confirmed only once the step after it is seen healthy, so a diverged run falls back to
-weights that trained well (dsv3.checkpoint keeps, confirms and moves aside)."""
+"""The divergence guard: a run stops at the first non-finite or spiking loss or grad norm. train.Run judges each
+step with it and confirms the checkpoints that healthy steps vouch for (dsv3.checkpoint.confirm, discard_after)."""
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
-
-import torch
-
-from dsv3 import checkpoint
 
 
 class DivergenceGuard:
@@ -47,35 +41,3 @@ class DivergenceGuard:
         self.seen = int(state["seen"])
         self.means = {name: float(state[name]) for name in self.factors} if self.seen else {}
 
-
-class Health:
-    """Steps' values wait on the device (`add`) until `flush`, one host sync for all of them, judges them in order
-    with `guard`: a bad step raises FloatingPointError after moving aside the checkpoints it cannot vouch for; a good
-    one confirms the checkpoints saved before it (`saved`)."""
-
-    def __init__(self, guard: DivergenceGuard, run_dir: Path, keep: int):
-        self.guard, self.run_dir, self.keep = guard, run_dir, keep
-        self.pending: list[tuple[int, torch.Tensor]] = []  # (step, [main, mtp, bal, gnorm] on device): no sync yet
-        self.unconfirmed: list[int] = []  # saved checkpoints whose next step has not been seen healthy yet
-
-    def add(self, step: int, values: torch.Tensor) -> None:
-        self.pending.append((step, values))
-
-    def saved(self, step: int) -> None:
-        self.unconfirmed.append(step)
-
-    def flush(self) -> list[float] | None:
-        """Judge the steps since the last flush; the last one's values, or None when there were none."""
-        values = torch.stack([v for _, v in self.pending]).tolist() if self.pending else []
-        for (step, _), row in zip(self.pending, values):
-            problem = self.guard.check(step, dict(zip(("loss", "mtp_loss", "balance_loss", "grad_norm"), row)))
-            if problem:  # the weights after step s-1 produced step s's values: only those up to s-2 are vouched for
-                kept = checkpoint.discard_after(self.run_dir, step - 2)
-                again = (f"the newest left is {kept}: --resume from it" if kept else
-                         "no checkpoint from before it is left: start the run again without --resume")
-                raise FloatingPointError(f"{problem}; newer checkpoints were moved aside (*.diverged), {again}, e.g. "
-                                         "with a lower --train.lr")
-            while self.unconfirmed and self.unconfirmed[0] < step:
-                checkpoint.confirm(self.run_dir, self.unconfirmed.pop(0), self.keep)
-        self.pending.clear()
-        return values[-1] if values else None
