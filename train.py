@@ -22,14 +22,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from dsv3 import checkpoint, dispatch, export, optim, parallel, rundir
-from dsv3.config import (Config, TrainConfig, UserError, help_text, load_config, resume_changes, resume_record,
-                         run_main)
-from dsv3.data import (MixtureLoader, PackedLoader, check_first_batch, check_sources, data_tokenizer,
-                       describe_mixture)
+from dsv3.config import Config, TrainConfig, UserError, help_text, load_config, resume_changes, resume_record, run_main
+from dsv3.data import MixtureLoader, PackedLoader, check_first_batch, check_sources, data_tokenizer, describe_mixture
 from dsv3.determinism import make_deterministic
-from dsv3.lowp import quant
 from dsv3.flops import flops_per_token, mfu, parameter_counts, peak_flops
 from dsv3.guard import DivergenceGuard
+from dsv3.lowp import quant
 from dsv3.metrics import MetricsLogger, expert_load_stats, import_wandb, memory_stats, run_summary, startup_banner
 from dsv3.model import Transformer
 from dsv3.moe import update_expert_bias

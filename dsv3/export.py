@@ -15,9 +15,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch import nn
+
 # what HuggingFaceStorageWriter(enable_consolidation=True) runs, on rank 0 alone; torchtitan imports it the same way
-from torch.distributed.checkpoint._consolidate_hf_safetensors import (consolidate_safetensors_files,
-                                                                       consolidate_safetensors_files_on_every_rank)
+from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+    consolidate_safetensors_files,
+    consolidate_safetensors_files_on_every_rank,
+)
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from dsv3.checkpoint import barrier, dcp_call, rank

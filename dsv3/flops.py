@@ -70,11 +70,11 @@ def attention_params(mc: ModelConfig) -> int:
 
 def block_params(mc: ModelConfig, moe: bool) -> tuple[int, int]:
     """(dense, routed-expert) parameters of one Block: norms, MLA, and a dense MLP or router + shared + experts."""
-    d, I = mc.dim, mc.moe_inter_dim
+    d, inter = mc.dim, mc.moe_inter_dim
     dense = 2 * d + attention_params(mc)
     if not moe:
         return dense + 3 * d * mc.inter_dim, 0
-    return dense + mc.n_routed_experts * d + 3 * d * mc.n_shared_experts * I, 3 * mc.n_routed_experts * d * I
+    return dense + mc.n_routed_experts * d + 3 * d * mc.n_shared_experts * inter, 3 * mc.n_routed_experts * d * inter
 
 
 def root_params(mc: ModelConfig) -> int:

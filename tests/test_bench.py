@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import free_port, leave_process_group, torchrun_env
 
 import train
-from conftest import free_port, leave_process_group, torchrun_env
 from dsv3 import parallel
 from dsv3.config import load_config
 from scripts import bench

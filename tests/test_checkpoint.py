@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port, leave_process_group, load_export, read_metrics, torchrun_env
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
@@ -31,7 +32,6 @@ from dsv3 import checkpoint, optim, rundir
 from dsv3.config import FLAVORS, ModelConfig, TrainConfig, UserError
 from dsv3.export import load_weights
 from dsv3.model import Transformer
-from conftest import free_port, leave_process_group, load_export, read_metrics, torchrun_env
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "stdlib"

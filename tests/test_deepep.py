@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port, torchrun_env
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
@@ -21,7 +22,6 @@ from dsv3.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from dsv3.dispatch import DeepEPDispatcher, expert_rows
 from dsv3.moe import GroupedExperts, MoE
 from dsv3.token_copies import LocalDispatcher, combine_token_copies
-from conftest import free_port, torchrun_env
 
 E, K, D, INTER, T = 8, 3, 16, 32, 12  # experts, top-k, dim, expert hidden, tokens per rank
 

@@ -4,9 +4,9 @@ leaves out the MTP tensors that transformers would list as UNEXPECTED."""
 
 import pytest
 import torch
+from conftest import ROOT
 from transformers import AutoModelForCausalLM
 
-from conftest import ROOT
 from dsv3 import export
 from dsv3.config import FLAVORS, UserError
 from dsv3.model import Transformer

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port, leave_process_group
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -18,7 +19,6 @@ from dsv3.config import FLAVORS, Config, TrainConfig
 from dsv3.model import Transformer
 from dsv3.moe import GroupedExperts
 from train import build_model, build_optimizer, train_step
-from conftest import free_port, leave_process_group
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
+from conftest import free_port, leave_process_group, torchrun_env
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch.distributed.fsdp import FSDPModule
@@ -21,7 +21,6 @@ from dsv3.config import FLAVORS, Config, ParallelConfig, TrainConfig
 from dsv3.model import Transformer
 from dsv3.moe import MoE
 from train import build_model, build_optimizer, train_step
-from conftest import free_port, leave_process_group, torchrun_env
 
 CFG = replace(FLAVORS["debug"], n_layers=3, max_seq_len=32)
 TRAIN = TrainConfig(global_batch=8, micro_batch=2, seq_len=32, lr=1e-3, warmup_steps=0, steps=3,
@@ -182,9 +181,9 @@ def _fsdp_units_worker(rank: int, world: int, ep: int, port: int, out_path: str)
     _save_from_rank_0_and_leave(rank, {
         "experts_fsdp": [isinstance(b.ffn.experts, FSDPModule) for b in moe_blocks],
         "expert_mesh_dims": [b.ffn.experts.w13.device_mesh.ndim for b in moe_blocks],
-        "copies": sorted(n for n, p in model.named_parameters() if p in getattr(model, "compute_copies",
-                                                                                  optim.ComputeCopies(model, torch.float32,
-                                                                                                      params=[])).copy_of)},
+        "copies": sorted(n for n, p in model.named_parameters()
+                         if p in getattr(model, "compute_copies", optim.ComputeCopies(model, torch.float32,
+                                                                                      params=[])).copy_of)},
         out_path)
 
 
@@ -197,7 +196,8 @@ def test_experts_leave_fsdp_only_where_its_mesh_would_have_one_rank(world, ep, t
     mp.spawn(_fsdp_units_worker, args=(world, ep, free_port(), str(out)), nprocs=world)
     got = torch.load(out)
     outside = ep == world
-    assert got["experts_fsdp"] and all(not f for f in got["experts_fsdp"]) == outside and any(got["experts_fsdp"]) != outside
+    assert got["experts_fsdp"]
+    assert all(not f for f in got["experts_fsdp"]) == outside and any(got["experts_fsdp"]) != outside
     if outside:
         assert got["expert_mesh_dims"] == [1] * len(got["expert_mesh_dims"])
         assert got["copies"] and all(".ffn.experts." in n for n in got["copies"])
@@ -301,16 +301,17 @@ def _compiled_ac_worker(rank: int, world: int, ep: int, port: int, out_path: str
     _save_from_rank_0_and_leave(rank, results, out_path)
 
 
-@pytest.mark.parametrize("ac,ep,world,mtp", [("selective", 2, 2, True), ("full", 2, 2, True), ("selective", 1, 2, False),
-                                             ("selective", 2, 4, True), ("selective", 2, 2, False), ("full", 2, 2, False)])
+@pytest.mark.parametrize("ac,ep,world,mtp", [("selective", 2, 2, True), ("full", 2, 2, True),
+                                             ("selective", 1, 2, False), ("selective", 2, 4, True),
+                                             ("selective", 2, 2, False), ("full", 2, 2, False)])
 @pytest.mark.slow
 def test_compile_reaches_checkpointed_moe_blocks(ac, ep, world, mtp, tmp_path):
     """Activation checkpointing + torch.compile: the MoE blocks' expert GEMMs run compiled (a graph break inside a
     compiled checkpoint once sent whole MoE blocks back to eager), and the compiled run's loss and gradients equal
     the eager checkpointed run's, over two steps (a recompile between forward and recompute would make selective AC
     fail), with no graph break at ep == world without MTP: with EP and MTP (dynamic shapes; at world 4 with EP 2 the
-    routed experts are an FSDP unit of their own inside the block), without either (static), and with EP alone, whose graphs see only the received rows' count
-    change: no width is symbolic (dynamic widths are slower kernels)."""
+    routed experts are an FSDP unit of their own inside the block), without either (static), and with EP alone, whose
+    graphs see only the received rows' count change: no width is symbolic (dynamic widths are slower kernels)."""
     out = tmp_path / "rank0.pt"
     mp.spawn(_compiled_ac_worker, args=(world, ep, free_port(), str(out), ac, mtp), nprocs=world)
     got = torch.load(out)

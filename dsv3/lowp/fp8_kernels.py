@@ -303,8 +303,8 @@ def _fp8_tiles_kernel(x_ptr, source_rows_ptr, row_weights_ptr, dot_rows_ptr, dot
 
 # torch<2.14: `flexible_layout`, inductor hands the op the buffer that made x. Under its default (exact strides), an
 # operand read by this op and saved for `fp8_group_cols` in the backward (then: the gathered token rows) was written
-# twice by the kernel that made it (seen on torch 2.11). The ops make x contiguous themselves, a no-op for inductor's row-major
-# buffers.
+# twice by the kernel that made it (seen on torch 2.11). The ops make x contiguous themselves, a no-op for inductor's
+# row-major buffers.
 @torch.library.custom_op("dsv3::fp8_tiles", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def fp8_tiles(x: torch.Tensor, source_rows: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
