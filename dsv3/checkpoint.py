@@ -34,15 +34,21 @@ from typing import IO, Any
 
 import torch
 import torch.distributed as dist
-from torch import _weights_only_unpickler  # what torch.load(weights_only=True) unpickles with
 import torch.distributed.checkpoint as dcp
+from torch import (
+    _weights_only_unpickler,  # what torch.load(weights_only=True) unpickles with
+    nn,
+)
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch import nn
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from dsv3.config import ModelConfig, UserError
 from dsv3.safeopen import refuse_link
@@ -54,11 +60,11 @@ TRAIN_STATE = "train.json"  # the train_state `save` was given, written by rank 
 _CHUNK = 16 << 20
 
 
-def _rank() -> int:
+def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _world() -> int:
+def world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
@@ -69,7 +75,7 @@ def _move_aside(path: Path, suffix: str) -> None:
     os.replace(path, aside)
 
 
-def _barrier(group: Any = None) -> None:
+def barrier(group: Any = None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
 
@@ -78,7 +84,7 @@ def _on_rank_0(what: str, action: Callable[[], None], group: Any = None) -> None
     """Run the filesystem step `action` on rank 0 alone; if it fails, every rank raises the same error. With a bare
     barrier after it, the other ranks waited there for a rank that had left, until the collective's timeout."""
     failure = None
-    if _rank() == 0:
+    if rank() == 0:
         try:
             action()
         except Exception as e:
@@ -106,7 +112,7 @@ def step_of(path: Path) -> int:
 
 
 @contextlib.contextmanager
-def _dcp_call() -> Iterator[None]:
+def dcp_call() -> Iterator[None]:
     """Around a dcp.save or dcp.load. DCP wraps a rank's error in CheckpointException, a BaseException that
     `except Exception` misses and whose message is a traceback: the first failed rank's own error is raised instead
     (a full disk stays an OSError, Ctrl-C a KeyboardInterrupt). Without a process group DCP warns that it assumes a
@@ -132,29 +138,29 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
     final, tmp = run_dir / f"step-{step}", run_dir / f"step-{step}.tmp"
     for path in (tmp, final):  # the save would go to a link's target
         refuse_link(path)
-    if _rank() == 0:
+    if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    _barrier()
+    barrier()
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     if not background:
         with _removed_when_failed(run_dir, tmp):
-            with _dcp_call():
+            with dcp_call():
                 dcp.save(state, checkpoint_id=str(tmp))
             _finish(run_dir, tmp, final, train_state, _rng_state(), keep, checksums, group=None)
             _rotate_on_rank_0(run_dir, keep)
         return final
     global _in_flight
     group = _background_group()
-    if not dist.is_initialized():  # DCP's own thread warns as _dcp_call filters it (warning filters are global)
+    if not dist.is_initialized():  # DCP's own thread warns as dcp_call filters it (warning filters are global)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
     with _removed_when_failed(run_dir, tmp):
-        with _dcp_call():  # stages the device-to-host copy now, then writes in DCP's thread
+        with dcp_call():  # stages the device-to-host copy now, then writes in DCP's thread
             written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group, async_stager=_stager())
     rng = {name: value.clone() for name, value in _rng_state().items()}  # this step's streams, not the next ones'
 
     def write_and_publish() -> None:
         with _removed_when_failed(run_dir, tmp):
-            with _dcp_call():
+            with dcp_call():
                 written.result()
             _finish(run_dir, tmp, final, train_state, rng, keep, checksums, group)
 
@@ -224,7 +230,7 @@ def _removed_when_failed(run_dir: Path, tmp: Path) -> Iterator[None]:
         # full disk as "unexpected pos N vs M" (no errno), DCP's rank-0 report as text
         disk_full = (getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e)
                      or shutil.disk_usage(run_dir).free < _CHUNK)
-        if _rank() == 0:  # on a full disk, a half-written step-N.tmp would keep the resumed run from starting
+        if rank() == 0:  # on a full disk, a half-written step-N.tmp would keep the resumed run from starting
             shutil.rmtree(tmp, ignore_errors=True)
         if disk_full:
             full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
@@ -236,12 +242,12 @@ def _removed_when_failed(run_dir: Path, tmp: Path) -> Iterator[None]:
 def _finish(run_dir: Path, tmp: Path, final: Path, train_state: dict[str, Any], rng: dict[str, torch.Tensor],
             keep: int, checksums: bool, group: Any) -> None:
     """After DCP's files: the train state, this rank's RNG streams, the manifest, then the rename to step-N."""
-    if _rank() == 0:
+    if rank() == 0:
         _write_json(tmp / TRAIN_STATE, train_state)
-    with open(tmp / f"rng-{_rank()}.pt", "wb") as f:  # per rank: DCP keeps one copy of a plain tensor
+    with open(tmp / f"rng-{rank()}.pt", "wb") as f:  # per rank: DCP keeps one copy of a plain tensor
         torch.save(rng, f)
         _sync(f)
-    _barrier(group)
+    barrier(group)
     manifest = _describe(tmp, checksums, group)  # every rank hashes a share of the files
 
     def publish() -> None:
@@ -340,7 +346,7 @@ def _describe(directory: Path, checksums: bool, group: Any = None) -> dict[str, 
     names = sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
                    if p.is_file() and p.name not in (MANIFEST, UNCONFIRMED))
     mine = {}
-    for name in names[_rank()::_world()]:
+    for name in names[rank()::world()]:
         mine[name] = {"size": (directory / name).stat().st_size}
         if checksums:
             mine[name]["crc32"] = _file_crc32(directory / name)
@@ -365,7 +371,7 @@ def verify(path: Path, checksums: bool = True) -> str | None:
         return f"{path / MANIFEST} is missing or unreadable ({e})"
     names = sorted(manifest)
     problems = []
-    for name in names[_rank()::_world()]:
+    for name in names[rank()::world()]:
         file, expected = path / name, manifest[name]
         if not file.is_file():
             problems.append(f"{file} is missing")
@@ -373,7 +379,7 @@ def verify(path: Path, checksums: bool = True) -> str | None:
             problems.append(f"{file} has {file.stat().st_size} bytes, the manifest says {expected['size']}")
         elif checksums and "crc32" in expected and _file_crc32(file) != expected["crc32"]:
             problems.append(f"{file} does not match its checksum (its bytes were altered)")
-    if _rank() == 0 and not problems and (code := _code_in(path)):  # the manifest can be rewritten with the files
+    if rank() == 0 and not problems and (code := _code_in(path)):  # the manifest can be rewritten with the files
         problems.append(code)
     problems = sorted(p for share in _gather(problems) for p in share)
     return "; ".join(problems) or None
@@ -397,7 +403,7 @@ def resume_from(run_dir: str | Path, checksums: bool = True) -> Path:
         problem = verify(path, checksums)
         if problem is None:
             return path
-        if _rank() == 0:
+        if rank() == 0:
             print(f"warning: checkpoint {path} is damaged: {problem}; moved aside as {path.name}.corrupt, "
                   f"trying the previous one", file=sys.stderr, flush=True)
         _on_rank_0(f"moving {path} aside", lambda: _move_aside(path, ".corrupt"))
@@ -571,10 +577,10 @@ def _rng_state() -> dict[str, torch.Tensor]:
 def _restore_rng(path: Path) -> None:
     """This rank's RNG streams as saved, when the world size is the one they were saved at; a resharded
     resume keeps the freshly seeded ones (one rank's stream has no counterpart at another world size)."""
-    if {p.name for p in path.glob("rng-*.pt")} != {f"rng-{r}.pt" for r in range(_world())}:
+    if {p.name for p in path.glob("rng-*.pt")} != {f"rng-{r}.pt" for r in range(world())}:
         return
     with _refused_pickle(path):
-        state = torch.load(path / f"rng-{_rank()}.pt", weights_only=True)
+        state = torch.load(path / f"rng-{rank()}.pt", weights_only=True)
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -589,7 +595,7 @@ def load_model(path: str | Path, model: nn.Module) -> None:
 
 def _load_data_only(state: dict[str, Any], path: str | Path) -> None:
     """dcp.load of `state` from checkpoint `path`, running nothing it holds (_DataOnlyReader, _DataOnlyPlanner)."""
-    with _refused_pickle(path), _dcp_call():
+    with _refused_pickle(path), dcp_call():
         dcp.load(state, storage_reader=_DataOnlyReader(str(path)), planner=_DataOnlyPlanner())
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
+import functools
 import json
 import math
 import tomllib
@@ -24,43 +24,55 @@ def run_main(main: Callable[[], object]) -> None:
     failures.run(main)
 
 
+def option(default: Any, help: str) -> Any:
+    """A config field and its one-line meaning, which `--help` prints; a list or dict default is copied per config."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=default.copy, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+PRECISIONS = ("bf16", "fp8", "mxfp8", "mxfp8-emulated")  # train.precision (dsv3.lowp.quant)
+EXPERT_PRECISIONS = ("bf16", "low", "fp8-blockwise")  # train.expert_precision
+FP8_RECIPES = ("rowwise", "tensorwise")  # train.fp8_recipe
+
+
 @dataclass
 class ModelConfig:
     """DeepSeek-V3 hyper-parameters, named as in DeepSeek's `ModelArgs`."""
 
-    vocab_size: int = 102400  # tokenizer vocabulary (embedding and output-head rows)
-    dim: int = 2048  # hidden size d
-    inter_dim: int = 10944  # dense SwiGLU hidden size
-    moe_inter_dim: int = 1408  # per-expert SwiGLU hidden size
-    n_layers: int = 27  # transformer blocks
-    n_dense_layers: int = 1  # the first layers use a dense MLP instead of MoE
-    n_heads: int = 16  # attention heads
+    vocab_size: int = option(102400, "tokenizer vocabulary (embedding and output-head rows)")
+    dim: int = option(2048, "hidden size d")
+    inter_dim: int = option(10944, "dense SwiGLU hidden size")
+    moe_inter_dim: int = option(1408, "per-expert SwiGLU hidden size")
+    n_layers: int = option(27, "transformer blocks")
+    n_dense_layers: int = option(1, "the first layers use a dense MLP instead of MoE")
+    n_heads: int = option(16, "attention heads")
     # MoE
-    n_routed_experts: int = 64  # routed experts per MoE layer
-    n_shared_experts: int = 2  # experts every token passes through
-    n_activated_experts: int = 6  # top-k
-    n_expert_groups: int = 1  # expert groups for group-limited routing
-    n_limited_groups: int = 1  # groups a token may route to
-    score_func: str = "softmax"  # "softmax" | "sigmoid"
-    route_scale: float = 1.0  # factor on the gate weights of the routed experts
-    route_norm: bool = False  # renormalise the top-k gate weights to sum to 1 (before route_scale)
+    n_routed_experts: int = option(64, "routed experts per MoE layer")
+    n_shared_experts: int = option(2, "experts every token passes through")
+    n_activated_experts: int = option(6, "top-k")
+    n_expert_groups: int = option(1, "expert groups for group-limited routing")
+    n_limited_groups: int = option(1, "groups a token may route to")
+    score_func: str = option("softmax", "softmax | sigmoid")
+    route_scale: float = option(1.0, "factor on the gate weights of the routed experts")
+    route_norm: bool = option(False, "renormalise the top-k gate weights to sum to 1 (before route_scale)")
     # MLA
-    q_lora_rank: int = 0  # query compression rank d_c'; 0: plain wq
-    kv_lora_rank: int = 512  # key-value compression rank d_c
-    qk_nope_head_dim: int = 128  # per-head query/key dim without RoPE d_h
-    qk_rope_head_dim: int = 64  # per-head query/key dim with RoPE d_h^R
-    v_head_dim: int = 128  # per-head value dim
+    q_lora_rank: int = option(0, "query compression rank d_c'; 0: plain wq")
+    kv_lora_rank: int = option(512, "key-value compression rank d_c")
+    qk_nope_head_dim: int = option(128, "per-head query/key dim without RoPE d_h")
+    qk_rope_head_dim: int = option(64, "per-head query/key dim with RoPE d_h^R")
+    v_head_dim: int = option(128, "per-head value dim")
     # RoPE / YaRN (YaRN is on only when rope_factor > 1)
-    max_seq_len: int = 4096  # longest sequence the RoPE tables cover
-    original_seq_len: int = 4096  # context trained with plain RoPE; YaRN stretches it to max_seq_len
-    rope_theta: float = 10000.0  # RoPE base
-    rope_factor: float = 1.0  # YaRN scale factor s; 1: plain RoPE, no YaRN
-    beta_fast: int = 32  # YaRN: rotations below which frequencies are interpolated
-    beta_slow: int = 1  # YaRN: rotations above which frequencies are kept
-    mscale: float = 1.0  # YaRN attention-temperature coefficient
-    n_mtp_layers: int = 0  # multi-token prediction depth D
-    norm_eps: float = 1e-6  # RMSNorm epsilon
-    init_std: float = 0.006  # standard deviation of the initial weights
+    max_seq_len: int = option(4096, "longest sequence the RoPE tables cover")
+    original_seq_len: int = option(4096, "context trained with plain RoPE; YaRN stretches it to max_seq_len")
+    rope_theta: float = option(10000.0, "RoPE base")
+    rope_factor: float = option(1.0, "YaRN scale factor s; 1: plain RoPE, no YaRN")
+    beta_fast: int = option(32, "YaRN: rotations below which frequencies are interpolated")
+    beta_slow: int = option(1, "YaRN: rotations above which frequencies are kept")
+    mscale: float = option(1.0, "YaRN attention-temperature coefficient")
+    n_mtp_layers: int = option(0, "multi-token prediction depth D")
+    norm_eps: float = option(1e-6, "RMSNorm epsilon")
+    init_std: float = option(0.006, "standard deviation of the initial weights")
 
     def __post_init__(self) -> None:
         problems = []
@@ -123,8 +135,7 @@ class ModelConfig:
 
 
 FLAVORS: dict[str, ModelConfig] = {
-    # Tiny, every dim a multiple of 32 so every precision path runs; configs/debug.toml's 200 steps take about
-    # three minutes on two otherwise idle CPU cores (~5k tokens/s), several times that on shared ones.
+    # Tiny, every dim a multiple of 32 so every precision path runs; configs/debug.toml trains in minutes on a CPU.
     "debug": ModelConfig(
         vocab_size=4096, dim=128, inter_dim=320, moe_inter_dim=64, n_layers=3, n_dense_layers=1, n_heads=4,
         n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, n_expert_groups=2, n_limited_groups=1,
@@ -176,47 +187,48 @@ def saved_model_config(weights_dir: str | Path) -> ModelConfig | None:
 
 @dataclass
 class TrainConfig:
-    steps: int = 1000  # optimizer steps
-    global_batch: int = 32  # sequences per optimizer step, all ranks together
-    micro_batch: int = 8  # sequences per rank per forward/backward
-    seq_len: int = 256  # tokens per training sequence
-    lr: float = 3e-4  # peak learning rate, > 0
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio, in [0, 1]
-    warmup_steps: int = 100  # linear warmup from 0 to lr
-    decay_start: float = 0.8  # fraction of steps after which the cosine decay begins (paper §4.2)
-    batch_ramp_steps: int = 0  # 0: no ramp; else global batch grows linearly from batch_ramp_start
-    batch_ramp_start: int = 0  # global batch at step 0 of the ramp
-    weight_decay: float = 0.1  # AdamW weight decay on matrices
-    beta1: float = 0.9  # AdamW β1, in [0, 1)
-    beta2: float = 0.95  # AdamW β2, in [0, 1)
-    grad_clip: float = 1.0  # clip the global gradient norm to this, > 0 (1e9: effectively off)
-    balance_alpha: float = 1e-4  # sequence-wise balance loss weight α (0 disables)
-    bias_update_speed: float = 1e-3  # aux-loss-free expert-bias step γ (0 disables)
-    bias_update_stop: float = 1.0  # fraction of steps after which γ is 0 (paper §4.2: the last 500B tokens)
-    mtp_lambda: float = 0.3  # MTP loss weight λ until mtp_lambda_switch
-    mtp_lambda_final: float = 0.1  # MTP loss weight λ after mtp_lambda_switch (paper §4.2)
-    mtp_lambda_switch: float = 0.7  # fraction of steps after which λ drops to mtp_lambda_final
-    precision: str = "bf16"  # bf16 | fp8 | mxfp8 | mxfp8-emulated
-    expert_precision: str = "bf16"  # bf16 | low (the `precision` path for the routed experts) | fp8-blockwise
-    optimizer_state_dtype: str = "bf16"  # bf16 | fp32: AdamW's moments (bf16 as in the paper, §3.3; docs/training.md)
-    fp8_recipe: str = "rowwise"  # rowwise | tensorwise (faster; held the loss with bf16 moments): docs/precision.md
-    precision_skip: list[str] = field(default_factory=list)  # dense linears whose name contains one stay bf16
-    fp8_min_features: int = 1536  # fp8 converts a dense linear only if min(in, out) features reach this (≥ 0)
-    compile: bool = False  # torch.compile each block
-    activation_checkpoint: str = "none"  # none | full | selective
-    loss_spike_factor: float = 3.0  # stop when the loss exceeds this × its running mean (0: off)
-    grad_norm_spike_factor: float = 100.0  # the same for the grad norm (benign early spikes reach ~10×)
-    val_every: int = 100  # validate every N steps and at the end; 0: never
-    val_batches: int = 8  # global batches per validation
-    seed: int = 0  # model init and data order
-    deterministic: bool = False  # bit-identical losses and weights for one seed, config and world size (GPUs: slower)
-    device: str = "auto"  # auto | cpu | cuda
+    steps: int = option(1000, "optimizer steps")
+    global_batch: int = option(32, "sequences per optimizer step, all ranks together")
+    micro_batch: int = option(8, "sequences per rank per forward/backward")
+    seq_len: int = option(256, "tokens per training sequence")
+    lr: float = option(3e-4, "peak learning rate, > 0")
+    min_lr_ratio: float = option(0.1, "cosine decays to lr * min_lr_ratio, in [0, 1]")
+    warmup_steps: int = option(100, "linear warmup from 0 to lr")
+    decay_start: float = option(0.8, "fraction of steps after which the cosine decay begins (paper §4.2)")
+    batch_ramp_steps: int = option(0, "0: no ramp; else global batch grows linearly from batch_ramp_start")
+    batch_ramp_start: int = option(0, "global batch at step 0 of the ramp")
+    weight_decay: float = option(0.1, "AdamW weight decay on matrices")
+    beta1: float = option(0.9, "AdamW β1, in [0, 1)")
+    beta2: float = option(0.95, "AdamW β2, in [0, 1)")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this, > 0 (1e9: effectively off)")
+    balance_alpha: float = option(1e-4, "sequence-wise balance loss weight α (0 disables)")
+    bias_update_speed: float = option(1e-3, "aux-loss-free expert-bias step γ (0 disables)")
+    bias_update_stop: float = option(1.0, "fraction of steps after which γ is 0 (paper §4.2: the last 500B tokens)")
+    mtp_lambda: float = option(0.3, "MTP loss weight λ until mtp_lambda_switch")
+    mtp_lambda_final: float = option(0.1, "MTP loss weight λ after mtp_lambda_switch (paper §4.2)")
+    mtp_lambda_switch: float = option(0.7, "fraction of steps after which λ drops to mtp_lambda_final")
+    precision: str = option("bf16", " | ".join(PRECISIONS))
+    expert_precision: str = option("bf16", "bf16 | low (the `precision` path for the routed experts) | fp8-blockwise")
+    optimizer_state_dtype: str = option("bf16", "bf16 | fp32: AdamW's moments (bf16: paper §3.3, docs/training.md)")
+    fp8_recipe: str = option("rowwise", "rowwise | tensorwise (faster; held the loss with bf16 moments)")
+    precision_skip: list[str] = option([], "dense linears whose name contains one stay bf16")
+    fp8_min_features: int = option(1536, "fp8 converts a dense linear only if min(in, out) features reach this (≥ 0)")
+    compile: bool = option(False, "torch.compile each block")
+    activation_checkpoint: str = option("none", "none | full | selective")
+    loss_spike_factor: float = option(3.0, "stop when the loss exceeds this × its running mean (0: off)")
+    grad_norm_spike_factor: float = option(100.0, "the same for the grad norm (benign early spikes reach ~10×)")
+    val_every: int = option(100, "validate every N steps and at the end; 0: never")
+    val_batches: int = option(8, "global batches per validation")
+    seed: int = option(0, "model init and data order")
+    deterministic: bool = option(False, "bit-identical losses and weights for one seed, config and world size "
+                                        "(GPUs: slower)")
+    device: str = option("auto", "auto | cpu | cuda")
 
 
 @dataclass
 class DataConfig:
-    path: str = "data/stdlib"  # directory of train/ and val/ token shards (scripts/prepare_data.py)
-    sources: list[str] = field(default_factory=list)  # a mixture instead of path: "DIR:WEIGHT" each, e.g. data/web:0.7
+    path: str = option("data/stdlib", "directory of train/ and val/ token shards (scripts/prepare_data.py)")
+    sources: list[str] = option([], "a mixture instead of path: DIR:WEIGHT each, e.g. data/web:0.7")
 
     def mixture(self) -> list[tuple[str, str, float]]:
         """(name, directory, share) of every source, shares summing to 1; `path` alone is a mixture of one.
@@ -246,42 +258,44 @@ class DataConfig:
 
 @dataclass
 class ParallelConfig:
-    ep: int = 1  # expert-parallel degree; divides world size and n_routed_experts
-    ep_backend: str = "all_to_all"  # all_to_all | deepep
-    deepep_sms: int = 24  # SMs DeepEP's kernels take (even) when ep_backend = "deepep"; the rest compute
-    # true: skip FSDP's reduce-scatter on all but the last micro-batch (less communication, but every rank holds
-    # a full unsharded fp32 gradient of every parameter until the step)
-    accumulate_unsharded_grads: bool = False  # true: reduce-scatter gradients at the last micro-batch only
-    gpus: int = 0  # the cluster this config is written for, as scripts/plan.py plans it (0: parallel.ep GPUs)
+    ep: int = option(1, "expert-parallel degree; divides world size and n_routed_experts")
+    ep_backend: str = option("all_to_all", "all_to_all | deepep")
+    deepep_sms: int = option(24, "SMs DeepEP's kernels take (even) when ep_backend = deepep; the rest compute")
+    accumulate_unsharded_grads: bool = option(False, "true: reduce-scatter gradients at the last micro-batch only "
+                                                     "(less communication; a full fp32 gradient on every rank)")
+    gpus: int = option(0, "the cluster this config is written for, as scripts/plan.py plans it (0: parallel.ep GPUs)")
 
 
 @dataclass
 class CheckpointConfig:
-    dir: str = "runs/debug"  # run directory: metrics.jsonl, step-N/ checkpoints, export/
-    every: int = 1000  # save every N steps and at the end; 0: never (benchmarks)
-    keep: int = 3  # the newest N checkpoints; 0: all
-    resume: bool = False  # continue from the newest checkpoint in dir (also: --resume)
-    verify_checksums: bool = True  # on resume, checksum every file (sizes are always checked); off for huge runs
-    async_save: bool = False  # copy to host memory in the step, write in the background (docs/training.md)
-    export: bool = True  # safetensors + config.json at the end
+    dir: str = option("runs/debug", "run directory: metrics.jsonl, step-N/ checkpoints, export/")
+    every: int = option(1000, "save every N steps and at the end; 0: never (benchmarks)")
+    keep: int = option(3, "the newest N checkpoints; 0: all")
+    resume: bool = option(False, "continue from the newest checkpoint in dir (also: --resume)")
+    verify_checksums: bool = option(True, "on resume, checksum every file (sizes are always checked): off for "
+                                          "huge runs")
+    async_save: bool = option(False, "copy to host memory in the step, write in the background (docs/training.md)")
+    export: bool = option(True, "safetensors + config.json at the end")
     # [model] overrides apply on top of the model its config.json describes, as long as no saved shape changes
-    init_from: str = ""  # weights + model (their config.json) to start from: an export or convert_hf.py --to-dsv3 out
+    init_from: str = option("", "weights + model (their config.json) to start from: an export or convert_hf.py "
+                                "--to-dsv3 output")
 
 
 @dataclass
 class LogConfig:
-    every: int = 10  # print and record metrics every N steps (and at step 1)
-    # Not every log step: at 671B a line is 59 × 256 counts (58 MoE layers + MTP), ~100 KB
-    expert_load_every: int = 100  # per-expert counts to expert_load.jsonl (+ a W&B heatmap) every N steps; 0: never
-    wandb: bool = False  # also log to Weights & Biases
-    project: str = "dsv3"  # W&B project
-    run_name: str = ""  # W&B run name; empty: W&B picks one
+    every: int = option(10, "print and record metrics every N steps (and at step 1)")
+    # Not every log step: at 671B a line holds 256 counts per MoE layer
+    expert_load_every: int = option(100, "per-expert counts to expert_load.jsonl (+ a W&B heatmap) every N "
+                                         "steps; 0: never")
+    wandb: bool = option(False, "also log to Weights & Biases")
+    project: str = option("dsv3", "W&B project")
+    run_name: str = option("", "W&B run name; empty: W&B picks one")
 
 
 @dataclass
 class Config:
-    flavor: str = "debug"  # model flavor: a name in FLAVORS
-    model: dict[str, Any] = field(default_factory=dict)  # overrides of FLAVORS[flavor]
+    flavor: str = option("debug", "model flavor: a name in FLAVORS")
+    model: dict[str, Any] = option({}, "overrides of FLAVORS[flavor]")
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -298,23 +312,26 @@ class Config:
         if unknown:
             raise UserError(f"unknown model key(s) {unknown}: {_known_keys('model', unknown[0], known)}")
         base = FLAVORS[self.flavor]
-        if self.checkpoint.init_from:  # read once: the model a run built must not change if the file does
-            if "_init_model" not in self.__dict__:
-                self.__dict__["_init_model"] = saved_model_config(self.checkpoint.init_from) or base
-            base = self.__dict__["_init_model"]
+        if self.checkpoint.init_from:
+            base = self.init_model or base
         return dataclasses.replace(base, **self.model)
+
+    @functools.cached_property
+    def init_model(self) -> ModelConfig | None:
+        """checkpoint.init_from's model, read once: the model a run built must not change if the file does."""
+        return saved_model_config(self.checkpoint.init_from)
 
     def continue_model(self, recorded: ModelConfig) -> None:
         """A resumed run that started from checkpoint.init_from trains the model its checkpoint recorded (the
         [model] overrides on top, for `resume_changes` to judge): the init_from directory is not read again."""
-        self.__dict__["_init_model"] = recorded
+        self.init_model = recorded
 
 
 _SECTIONS = ("train", "data", "parallel", "checkpoint", "log")
 _CHOICES = {
-    ("train", "precision"): ("bf16", "fp8", "mxfp8", "mxfp8-emulated"),
-    ("train", "expert_precision"): ("bf16", "low", "fp8-blockwise"),
-    ("train", "fp8_recipe"): ("rowwise", "tensorwise"),
+    ("train", "precision"): PRECISIONS,
+    ("train", "expert_precision"): EXPERT_PRECISIONS,
+    ("train", "fp8_recipe"): FP8_RECIPES,
     ("train", "optimizer_state_dtype"): ("bf16", "fp32"),
     ("train", "activation_checkpoint"): ("none", "full", "selective"),
     ("train", "device"): ("auto", "cpu", "cuda"),
@@ -540,13 +557,8 @@ def _flat(record: dict[str, Any], key: str) -> Any:
 
 
 def field_help(cls: type) -> dict[str, str]:
-    """A config dataclass's one-line meaning of each field: the comment ending the field's line."""
-    meanings = {}
-    for line in inspect.getsource(cls).splitlines():
-        name, colon, rest = line.strip().partition(":")
-        if colon and name.isidentifier() and "  # " in rest:
-            meanings[name] = rest.split("  # ", 1)[1]
-    return meanings
+    """A config dataclass's one-line meaning of each field (`option`'s help)."""
+    return {f.name: f.metadata["help"] for f in fields(cls) if "help" in f.metadata}
 
 
 def help_text() -> str:

@@ -19,10 +19,14 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zstandard
 
 from dsv3.config import UserError
+
+if TYPE_CHECKING:
+    import pyarrow.parquet
 
 TEXT_FORMATS = (".txt", ".md", ".markdown", ".rst")  # a file is one document
 FORMATS = (*TEXT_FORMATS, ".jsonl", ".parquet")

@@ -17,7 +17,6 @@ from dsv3.config import UserError
 from dsv3.safeopen import refuse_link
 from dsv3.tokenizer import Tokenizer, find_tokenizer
 
-
 _INDEX_KEYS = {"dtype": str, "vocab_size": int, "eos_id": int, "shards": list}
 
 

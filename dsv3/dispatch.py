@@ -36,8 +36,14 @@ import torch
 import torch.distributed as dist
 
 from dsv3.config import UserError
-from dsv3.token_copies import (TokenCopies, combine_token_copies, gather_token_copies, pad_order, pads_groups,
-                               row_of_slot)
+from dsv3.token_copies import (
+    TokenCopies,
+    combine_token_copies,
+    gather_token_copies,
+    pad_order,
+    pads_groups,
+    row_of_slot,
+)
 
 
 def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int],

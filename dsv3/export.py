@@ -14,12 +14,15 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+
 # what HuggingFaceStorageWriter(enable_consolidation=True) runs, on rank 0 alone; torchtitan imports it the same way
-from torch.distributed.checkpoint._consolidate_hf_safetensors import (consolidate_safetensors_files,
-                                                                       consolidate_safetensors_files_on_every_rank)
+from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+    consolidate_safetensors_files,
+    consolidate_safetensors_files_on_every_rank,
+)
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from dsv3.checkpoint import _barrier, _dcp_call, _rank, wait_for_save
+from dsv3.checkpoint import barrier, dcp_call, rank, wait_for_save
 from dsv3.config import FLAVORS, Config, ModelConfig, UserError, hf_checkpoint_error, saved_model_config
 from dsv3.hf import model_shapes, open_safetensors, save_config
 from dsv3.safeopen import refuse_link
@@ -82,7 +85,7 @@ def load_weights(path: str | Path, model: nn.Module) -> None:
         raise UserError(f"checkpoint.init_from={path} does not fit this model: missing {missing[:10]} "
                         f"({len(missing)}), unexpected {unexpected[:10]} ({len(unexpected)}); check the flavor "
                         f"and [model] overrides against its config.json")
-    with _dcp_call():
+    with dcp_call():
         dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
     set_model_state_dict(model, state)
 
@@ -99,35 +102,35 @@ def export(out_dir: str | Path, model: nn.Module, cfg: ModelConfig, tokenizer: T
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     for path in (tmp, out_dir):  # the export would go to a link's target
         refuse_link(path)
-    if _rank() == 0:
+    if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    _barrier()
+    barrier()
     state = get_model_state_dict(model)
     file_of = _file_per_block(state)
     writer = dcp.HuggingFaceStorageWriter(str(tmp / "sharded"), fqn_to_index_mapping=file_of, save_distributed=True)
     try:
-        with _dcp_call():
+        with dcp_call():
             dcp.save(state, storage_writer=writer)
         if dist.is_initialized():
             consolidate_safetensors_files_on_every_rank(str(tmp / "sharded"), str(tmp), file_of)
         else:
             consolidate_safetensors_files(str(tmp / "sharded"), str(tmp), file_of)
     except Exception as e:
-        if _rank() == 0:  # on a full disk its bytes are in the way of the resumed run that writes it again
+        if rank() == 0:  # on a full disk its bytes are in the way of the resumed run that writes it again
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and e.errno is not None and not e.filename:  # DCP's writer names no file
             e = OSError(e.errno, e.strerror, str(tmp)).with_traceback(e.__traceback__)
         e.add_note(f"the half-written {tmp.name} was removed; the export is written again by --resume")
         raise e
-    _barrier()
-    if _rank() == 0:
+    barrier()
+    if rank() == 0:
         shutil.rmtree(tmp / "sharded")
         save_config(cfg, tmp / "config.json")
         if tokenizer is not None:
             tokenizer.save(tmp)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp, out_dir)
-    _barrier()
+    barrier()
 
 
 def _file_per_block(state: dict[str, Any]) -> dict[str, int]:

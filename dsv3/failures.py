@@ -147,8 +147,8 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 def run(main: Callable[[], object]) -> None:
     """Run an entry point under this policy. A machine's failure or a dead peer is printed by each rank that meets
-    it, named; the other kinds by rank 0 alone (every rank meets the same). A process group still up is torn down first (not after a
-    peer died: the process leaves at once), so no rank waits on one that has left."""
+    it, named; the other kinds by rank 0 alone (every rank meets the same). A process group still up is torn down
+    first (not after a peer died: the process leaves at once), so no rank waits on one that has left."""
     _Run.run_dir, _Run.argv = None, []
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_sigterm)

@@ -38,10 +38,8 @@ def _flat_local(t: torch.Tensor) -> torch.Tensor:
 
 def rounding_salt(index: int, param: torch.Tensor) -> int:
     """What `adamw_update` adds to the step's seed for this tensor: its `index` among the optimizer's parameters,
-    hashed, so that tensors draw unrelated noise, and the global offset of this rank's shard (a block of rows), so
-    that element i of a shard hashes as element offset + i of the whole tensor: shards draw different noise, and a
-    tensor rounds the same way however it is sharded. Without it, every tensor and every shard drew the same stream,
-    unbiased element by element but with rounding errors correlated across tensors and ranks."""
+    hashed, plus its shard's global offset, so that tensors and shards draw unrelated rounding noise and a tensor
+    rounds the same way however it is sharded (docs/training.md#the-objective-and-the-optimizer)."""
     offset = 0
     if isinstance(param, DTensor):
         first = param.__create_chunk_list__()[0].offsets  # this shard's first element, as DCP finds it
@@ -80,35 +78,18 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         exp_avg_sq.copy_(v)
 
 
-# On CUDA: one fused kernel per tensor (read θ, g, m, v once, write θ, m, v once), compiled for its size: a
-# static size gets aligned, vectorised loads that a dynamic one does not (bf16 moments reach the bandwidth fp32
-# ones do). Over 1-D views, a model compiles one kernel per distinct size (12 to 15 in configs/): `AdamW.step`
-# raises dynamo's limit of 8 compiled variants per function to _COMPILED_VARIANTS; past it, a size runs eagerly.
+# On CUDA: one fused kernel per tensor, compiled for its size (a static size gets aligned, vectorised loads).
+# A model has a kernel per distinct size: `AdamW.step` raises dynamo's limit of 8 compiled variants per function
+# to _COMPILED_VARIANTS; past it, a size runs eagerly.
 _adamw_update_cuda = torch.compile(adamw_update, dynamic=False)
 _COMPILED_VARIANTS = 64
 
 
 class ComputeCopies:
-    """FSDP2's mixed precision for parameters that are not sharded by it (one rank: all of them; ep == world: the routed
-    experts, `parallel.apply_fsdp`): inside `active()`, forward and backward compute with `dtype` copies of the fp32
-    parameters (of this rank's shard, for an expert-parallel DTensor); outside it, the model holds its fp32 parameters
-    (optimizer state, checkpoints, export), whichever way `active()` was left, an exception included. Without FSDP's
-    casts and copies in and out of its buffers, nothing moves but the math. `grad_divisor` divides each gradient as
-    FSDP's average over ranks would (the world size).
-
-    A copy is written by the optimizer's update (`updates`), in the same pass as its parameter; entering `active()`
-    remakes it when its parameter changed otherwise since (an init, a load: any in-place write, which bumps
-    `_version`, or a new tensor bound to `p.data`). An in-place write through `p.data` is invisible to both: write
-    parameters in place under `torch.no_grad()`, as `init_weights` and `load_state_dict` do.
-    A parameter that its module computes from in a form of its own (dsv3.lowp's blockwise FP8 experts: e4m3 blocks)
-    gets that form in place of a `dtype` copy, from `own_copy(module, name, p)` (the precision's:
-    `lowp.quant.own_compute_copy`), None for any other parameter: an object whose `write(weight)` remakes it from the
-    weight in `dtype`, and whose `adamw_update(p, grad, exp_avg, exp_avg_sq, *scalars)` is `adamw_update`'s step of p
-    that writes it in the same pass (`own_of`). Its Parameter in the model then holds no values (one zero, expanded),
-    only the gradient.
-    Gradients land on the copies (`grad`). With `active(accumulate=True)` (several micro-batches), each copy's gradient
-    is added into an fp32 sum as soon as backward has produced it, and freed at once, as FSDP's fp32 reduce-scatter
-    does: bf16 gradients never pile up beyond the block that backward is in. Without it, one backward per step."""
+    """FSDP2's mixed precision for the parameters FSDP does not shard (one rank: all; ep == world: the routed experts):
+    inside `active()` the model computes with `dtype` copies, written by the optimizer's update; outside it holds the
+    fp32 parameters, so nothing moves but the math. Write parameters in place under `torch.no_grad()`, never through
+    `p.data`; how copies are remade, own forms and accumulation: docs/training.md#compute-copies."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype,
                  own_copy: Callable[[nn.Module, str, nn.Parameter], Any] | None = None,

@@ -19,16 +19,16 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
 
 from dsv3.config import Config, ModelConfig, UserError
 from dsv3.dispatch import SUPPORTED_EP
-from dsv3.parallel import moe_blocks_compile_whole
-from dsv3.metrics import attention_params, block_params, dense_and_expert_params, root_params
+from dsv3.flops import attention_params, block_params, dense_and_expert_params, root_params
 from dsv3.loss import LOSS_CHUNK
 from dsv3.lowp.quant import FEATURE_MULTIPLE
+from dsv3.parallel import moe_blocks_compile_whole
 
 GIB = 2**30
 
@@ -40,7 +40,7 @@ class GPU:
     memory_gib: float  # torch.cuda.get_device_properties().total_memory
     dense_tflops: float  # bf16 nn.Linear GEMMs, achieved
     grouped_tflops: float  # bf16 torch._grouped_mm (routed experts), achieved
-    attention_tflops: float  # cuDNN SDPA, causal, counted as in metrics.flops_per_token
+    attention_tflops: float  # cuDNN SDPA, causal, counted as in flops.flops_per_token
     hbm_tb_s: float
     nvlink_gb_s: float  # per direction per GPU, within a node
     source: str
@@ -131,7 +131,7 @@ def _saved_per_token(mc: ModelConfig, moe: bool, ep: int, backend: str = "all_to
                      around: bool = False) -> dict[str, float]:
     """bf16 elements one block saves for backward per token, by AC mode (fp32 tensors count twice); `around`: a
     MoE block compiles around its checkpoint (parallel.apply_compile)."""
-    d, H, K, I = mc.dim, mc.n_heads, mc.n_activated_experts, mc.moe_inter_dim
+    d, H, K, inter = mc.dim, mc.n_heads, mc.n_activated_experts, mc.moe_inter_dim
     q = H * mc.qk_head_dim
     kv = (mc.kv_lora_rank + mc.qk_rope_head_dim) + mc.kv_lora_rank + H * (mc.qk_nope_head_dim + mc.v_head_dim)
     sdpa_out = H * mc.v_head_dim + 2 * H  # o, and its fp32 logsumexp
@@ -147,13 +147,14 @@ def _saved_per_token(mc: ModelConfig, moe: bool, ep: int, backend: str = "all_to
     copies = K * (EP_HEADROOM if ep > 1 else 1.0)
     # per routed copy: the sorted expert input, gate/up output, SwiGLU product, and the rows combine gathers
     # (under EP the received copies replace the local ones: backward needs no exchange input)
-    copy = 2 * d + 3 * I
-    token_side = d + 4 * mc.n_routed_experts + 3 * mc.n_shared_experts * I + d  # normed, fp32 scores, shared, out
+    copy = 2 * d + 3 * inter
+    token_side = d + 4 * mc.n_routed_experts + 3 * mc.n_shared_experts * inter + d  # normed, fp32 scores, shared, out
     # inside a compiled MoE block SAC keeps grouped GEMM, SDPA and exchange outputs (parallel._selective_policy);
     # compiled around it, every GEMM output as in a dense block: the router's and the shared experts' too
-    selective = (d + attention_gemms + mc.n_routed_experts + 2 * mc.n_shared_experts * I + d if around
+    selective = (d + attention_gemms + mc.n_routed_experts + 2 * mc.n_shared_experts * inter + d if around
                  else d + sdpa_out) + _exchange_kept_per_token(mc, ep, backend)
-    return {"none": attention + token_side + copies * copy, "selective": selective + copies * (2 * I + d), "full": d}
+    return {"none": attention + token_side + copies * copy, "selective": selective + copies * (2 * inter + d),
+            "full": d}
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from typing import IO
 
 import torch.distributed as dist
 
-from dsv3.checkpoint import _rank, checkpoints
+from dsv3.checkpoint import checkpoints
+from dsv3.checkpoint import rank as this_rank
 from dsv3.config import CheckpointConfig, UserError
 from dsv3.lockfile import take_lock
 from dsv3.safeopen import open_no_follow
@@ -25,7 +26,7 @@ def lock_run_dir(run_dir: str | Path, create: bool = True) -> None:
     (resuming) leaves a missing directory missing, for `resume_from` to report."""
     run_dir = Path(run_dir).resolve()
     problem = None
-    if _rank() == 0 and (create or run_dir.is_dir()):
+    if this_rank() == 0 and (create or run_dir.is_dir()):
         stale = _held_locks.pop(run_dir, None)  # an earlier run in this process that ended by an exception
         if stale is not None:
             stale.close()
@@ -86,7 +87,7 @@ def check_free_space(run_dir: str | Path, checkpoint_bytes: int, n_checkpoints: 
     run_dir = Path(run_dir)
     problem = None
     # ranks on several hosts of a shared filesystem may share a pid (containers): the name must be theirs alone
-    probe = run_dir / f".write-test-{socket.gethostname()}-{_rank()}-{os.getpid()}"
+    probe = run_dir / f".write-test-{socket.gethostname()}-{this_rank()}-{os.getpid()}"
     try:
         with open_no_follow(probe, "xb") as f:
             f.write(b"x")

@@ -34,8 +34,9 @@ import train  # noqa: E402
 from dsv3 import dispatch, parallel  # noqa: E402
 from dsv3.config import UserError, load_config, run_main  # noqa: E402
 from dsv3.determinism import make_deterministic  # noqa: E402
-from dsv3.metrics import flops_per_token, layer_flops_per_token, memory_stats, mfu, peak_flops  # noqa: E402
+from dsv3.flops import flops_per_token, layer_flops_per_token, mfu, peak_flops  # noqa: E402
 from dsv3.hashing import random_bits  # noqa: E402
+from dsv3.metrics import memory_stats  # noqa: E402
 from dsv3.model import MLP, Transformer  # noqa: E402
 from dsv3.moe import Router, Routing  # noqa: E402
 from dsv3.token_copies import pads_groups  # noqa: E402
@@ -289,12 +290,12 @@ def main() -> None:
     train.check_setup(cfg, world, device)
     if args.one_rank_exchange and (world > 1 or device.type != "cuda"):  # before the model is built
         raise UserError("--one-rank-exchange measures EP's code path on one GPU: run it without torchrun, on CUDA")
-    model = train.build_model(cfg, world, device)
+    model, copies = train.build_model(cfg, world, device)
     if args.one_rank_exchange:
         install_one_rank_exchange(model, device)
     if args.balanced_routing:
         install_balanced_routing(model)
-    optimizer = train.build_optimizer(model, t, device)
+    optimizer = train.build_optimizer(model, t, device, copies)
     local_batch = t.global_batch // world
     generator = torch.Generator(device="cpu").manual_seed(rank)
 

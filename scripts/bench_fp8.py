@@ -28,8 +28,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dsv3.lowp import quant  # noqa: E402
 from dsv3.config import UserError, load_config, run_main  # noqa: E402
+from dsv3.lowp import quant  # noqa: E402
 from dsv3.model import Transformer  # noqa: E402
 from dsv3.moe import GroupedExperts  # noqa: E402
 from scripts.bench import phase_of  # noqa: E402  (the training benchmark's kernel → phase names)

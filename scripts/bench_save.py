@@ -83,7 +83,8 @@ def main() -> None:
     if rank == 0:
         print(json.dumps({"config": args.config, "checkpoint_gb": round(bytes_saved / 1e9, 2),
                           "step_s": round(median, 4), "blocking_stall_s": round(blocking_s, 3),
-                          "background_stall_s": round(background_s, 3), "background_call_s": round(background_call_s, 3),
+                          "background_stall_s": round(background_s, 3),
+                          "background_call_s": round(background_call_s, 3),
                           "steps_during_write": len(writing), "waited_at_end_s": round(waited, 3),
                           "background_over_blocking": round(background_s / blocking_s, 3)}), flush=True)
 

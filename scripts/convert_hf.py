@@ -36,9 +36,20 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file without installing dsv3
 from dsv3.config import UserError, load_config_json, run_main  # noqa: E402
-from dsv3.hf import (FromHF, check_dsv3_keys, check_hf_keys, check_hf_represents, config_from_hf,  # noqa: E402
-                     config_to_hf, dequantize_fp8, fp8_block_size, fp8_scales, open_safetensors,
-                     save_config, tensor_to_hf)
+from dsv3.hf import (  # noqa: E402
+    FromHF,
+    check_dsv3_keys,
+    check_hf_keys,
+    check_hf_represents,
+    config_from_hf,
+    config_to_hf,
+    dequantize_fp8,
+    fp8_block_size,
+    fp8_scales,
+    open_safetensors,
+    save_config,
+    tensor_to_hf,
+)
 
 INDEX = "model.safetensors.index.json"
 # what transformers' AutoTokenizer (and generate's defaults) read from a checkpoint directory

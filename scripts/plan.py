@@ -19,8 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dsv3.config import Config, UserError, load_config, run_main  # noqa: E402
-from dsv3.plan import (FIT_FRACTION, GIB, GPUS, Plan, advice, bottleneck, layout_flags, plan, search,  # noqa: E402
-                       train_hours)
+from dsv3.plan import FIT_FRACTION, GIB, GPUS, Plan, advice, bottleneck, layout_flags, plan, search, train_hours  # noqa: E402
 
 
 def format_layout(cfg: Config, p: Plan) -> str:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from conftest import free_port, leave_process_group, read_metrics, torchrun_env
 
 import train
 from dsv3 import checkpoint
-from conftest import free_port, leave_process_group, read_metrics, torchrun_env
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = ["--config", str(ROOT / "configs" / "debug.toml"), f"--data.path={ROOT / 'data' / 'stdlib'}", "--log.every=1",

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import free_port, leave_process_group, torchrun_env
 
 import train
-from conftest import free_port, leave_process_group, torchrun_env
 from dsv3 import parallel
 from dsv3.config import load_config
 from scripts import bench
@@ -22,8 +22,8 @@ from scripts.bench import expert_rows_vs_mean, layer_times, phase_of, timed_bloc
 def debug_run():
     cfg = load_config("configs/debug.toml", ["--train.global_batch=2", "--train.micro_batch=2", "--train.seq_len=32",
                                              "--model.n_layers=3", "--model.n_mtp_layers=1"])
-    model = train.build_model(cfg, 1, torch.device("cpu"))
-    optimizer = train.build_optimizer(model, cfg.train, torch.device("cpu"))
+    model, copies = train.build_model(cfg, 1, torch.device("cpu"))
+    optimizer = train.build_optimizer(model, cfg.train, torch.device("cpu"), copies)
     batch = torch.randint(0, cfg.model_config().vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
 
     def step(i: int) -> None:
@@ -66,8 +66,8 @@ def _sharded_worker(rank: int, world: int, port: int, out) -> None:
     rank, world, device = parallel.init_distributed("cpu")
     cfg = load_config("configs/debug.toml", ["--train.global_batch=4", "--train.micro_batch=2", "--train.seq_len=32",
                                              "--model.n_layers=3", "--parallel.ep=2"])
-    model = train.build_model(cfg, world, device)  # FSDP2 + EP 2 over gloo
-    optimizer = train.build_optimizer(model, cfg.train, device)
+    model, copies = train.build_model(cfg, world, device)  # FSDP2 + EP 2 over gloo
+    optimizer = train.build_optimizer(model, cfg.train, device, copies)
     batch = torch.randint(0, cfg.model_config().vocab_size, (2, 33), generator=torch.Generator().manual_seed(rank))
     bias_before = model.routers()[0].expert_bias.clone()
 
@@ -171,10 +171,10 @@ def test_balanced_routing_gives_every_expert_its_share_in_a_training_step():
     for balanced in (False, True):
         cfg = load_config("configs/debug.toml", ["--train.global_batch=8", "--train.micro_batch=4",
                                                  "--train.seq_len=256", "--train.activation_checkpoint=full"])
-        model = train.build_model(cfg, 1, torch.device("cpu"))
+        model, copies = train.build_model(cfg, 1, torch.device("cpu"))
         if balanced:
             bench.install_balanced_routing(model)
-        optimizer = train.build_optimizer(model, cfg.train, torch.device("cpu"))
+        optimizer = train.build_optimizer(model, cfg.train, torch.device("cpu"), copies)
         batch = torch.randint(0, 50, (8, 257), generator=torch.Generator().manual_seed(0))  # a narrow vocabulary
         before = [r.weight.detach().clone() for r in model.routers()]
         values, tokens_per_expert = train.train_step(model, optimizer, batch, cfg.train, 1)

@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port, leave_process_group, load_export, read_metrics, torchrun_env
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
@@ -31,7 +32,6 @@ from dsv3 import checkpoint, optim, rundir
 from dsv3.config import FLAVORS, ModelConfig, TrainConfig, UserError
 from dsv3.export import load_weights
 from dsv3.model import Transformer
-from conftest import free_port, leave_process_group, load_export, read_metrics, torchrun_env
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "stdlib"
@@ -446,7 +446,7 @@ def _with_compute_copies(seed: int = 0) -> tuple[Transformer, torch.optim.Optimi
     model = Transformer(replace(FLAVORS["debug"], n_layers=2, max_seq_len=32))
     model.compute_copies = optim.ComputeCopies(model, torch.bfloat16)
     t = TrainConfig(global_batch=2, micro_batch=2, seq_len=32, optimizer_state_dtype="bf16")
-    return model, train.build_optimizer(model, t, torch.device("cpu")), t
+    return model, train.build_optimizer(model, t, torch.device("cpu"), model.compute_copies), t
 
 
 @pytest.mark.slow

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, load_export, read_metrics
 from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
-from conftest import ROOT, load_export, read_metrics
 from dsv3.config import ModelConfig
 from dsv3.model import Transformer
 from dsv3.tokenizer import Tokenizer

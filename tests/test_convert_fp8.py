@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_export
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 import scripts.convert_hf as convert_hf
-from conftest import load_export
 from dsv3.config import UserError, load_config_json
 from dsv3.hf import state_dict_from_hf, state_dict_to_hf
 from dsv3.model import Transformer

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port, torchrun_env
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
@@ -21,7 +22,6 @@ from dsv3.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from dsv3.dispatch import DeepEPDispatcher, expert_rows
 from dsv3.moe import GroupedExperts, MoE
 from dsv3.token_copies import LocalDispatcher, combine_token_copies
-from conftest import free_port, torchrun_env
 
 E, K, D, INTER, T = 8, 3, 16, 32, 12  # experts, top-k, dim, expert hidden, tokens per rank
 
@@ -363,14 +363,13 @@ STEPS = 3
 def _gpu_run(cfg: Config, world: int, rank: int, device: torch.device, starve: bool = False) -> dict:
     """First-step local gradient shards (no update), then STEPS optimizer steps' losses."""
     t = cfg.train
-    model = train.build_model(cfg, world, device)
+    model, copies = train.build_model(cfg, world, device)  # copies: the routed experts at ep == world
     if starve:
         for router in model.routers():
             router.expert_bias[-router.n_experts // world:] = -1e3
     tokens = torch.randint(0, cfg.model_config().vocab_size, (STEPS + 1, t.global_batch, t.seq_len + 1),
                            generator=torch.Generator().manual_seed(1))
     local = tokens[:, rank * t.micro_batch:(rank + 1) * t.micro_batch].to(device)
-    copies = getattr(model, "compute_copies", None)  # the routed experts at ep == world
     with copies.active() if copies else contextlib.nullcontext():
         out = model(local[0][:, :-1], local[0][:, 1:])
         (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
@@ -379,7 +378,7 @@ def _gpu_run(cfg: Config, world: int, rank: int, device: torch.device, starve: b
     model.zero_grad(set_to_none=True)
     if copies:
         copies.zero_grad()
-    optimizer = train.build_optimizer(model, t, device)
+    optimizer = train.build_optimizer(model, t, device, copies)
     losses = [train.train_step(model, optimizer, local[step], t, step)[0][:3].tolist() for step in range(1, STEPS + 1)]
     return {"grads": grads, "losses": torch.tensor(losses)}
 

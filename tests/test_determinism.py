@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port, load_export, read_metrics
 
 import train
-from conftest import free_port, load_export, read_metrics
 from dsv3.config import UserError, load_config
 from dsv3.determinism import DETERMINISTIC_ENV
 

@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import free_port, on_full_disk, torchrun_vars
 
 import train
 from dsv3 import export, failures
 from dsv3.config import UserError, run_main
-from conftest import free_port, on_full_disk, torchrun_vars
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "stdlib"

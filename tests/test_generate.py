@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 import torch
+from conftest import ROOT
 from transformers import AutoModelForCausalLM
 
-from conftest import ROOT
 from dsv3 import checkpoint, export
 from dsv3.config import FLAVORS, UserError, load_config
 from dsv3.model import Transformer

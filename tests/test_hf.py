@@ -12,15 +12,22 @@ import shutil
 
 import pytest
 import torch
+from conftest import ROOT
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config, DeepseekV2ForCausalLM,
-                          DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    PreTrainedTokenizerFast,
+)
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 import scripts.convert_hf as convert_hf
-from conftest import ROOT
 from dsv3.config import FLAVORS, ModelConfig, UserError, load_config_json
 from dsv3.hf import FromHF, config_from_hf, config_to_hf, save_config, state_dict_from_hf, state_dict_to_hf
 from dsv3.model import Transformer

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from dsv3.config import FLAVORS, UserError, load_config
-from dsv3.plan import plan
-from dsv3.metrics import (DivergenceGuard, MetricsLogger, _wandb_mode, active_matmul_params, expert_load_stats,
-                          flops_per_token, layer_flops_per_token, mfu, parameter_counts, peak_flops, startup_banner)
+from dsv3.flops import active_matmul_params, flops_per_token, layer_flops_per_token, mfu, parameter_counts, peak_flops
+from dsv3.guard import DivergenceGuard
+from dsv3.metrics import MetricsLogger, _wandb_mode, expert_load_stats, startup_banner
 from dsv3.model import Transformer
+from dsv3.plan import plan
 
 
 def test_16b_cut_to_4_layers_is_3_49_gflop_per_token():

@@ -7,12 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import read_metrics
 
 import train
 from dsv3.config import UserError, load_config
 from dsv3.data import MixtureLoader, PackedLoader
 from scripts.prepare_data import prepare
-from conftest import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = str(ROOT / "data" / "tokenizer.model")

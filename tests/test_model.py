@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from dsv3 import moe
 from dsv3.config import FLAVORS, ModelConfig
-from dsv3.model import MLA, Transformer, TrainOutput, rope_frequencies
+from dsv3.model import MLA, TrainOutput, Transformer, rope_frequencies
 
 
 def debug_config(**overrides) -> ModelConfig:

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port, leave_process_group
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -18,7 +19,6 @@ from dsv3.config import FLAVORS, Config, TrainConfig
 from dsv3.model import Transformer
 from dsv3.moe import GroupedExperts
 from train import build_model, build_optimizer, train_step
-from conftest import free_port, leave_process_group
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:
@@ -172,11 +172,10 @@ def test_one_gpu_trains_bf16_compute_copies_that_the_fused_update_writes():
                  train=TrainConfig(global_batch=4, micro_batch=2, seq_len=64, lr=3e-3, warmup_steps=0, steps=20,
                                    optimizer_state_dtype="bf16"))
     device = torch.device("cuda")
-    model = build_model(cfg, 1, device)
-    copies = model.compute_copies
+    model, copies = build_model(cfg, 1, device)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert {c.dtype for c in copies.copy_of.values()} == {torch.bfloat16}
-    optimizer = build_optimizer(model, cfg.train, device)
+    optimizer = build_optimizer(model, cfg.train, device, copies)
     batch = torch.randint(0, FLAVORS["debug"].vocab_size, (4, 65), device=device)
     losses = [train_step(model, optimizer, batch, cfg.train, step)[0][0].item() for step in range(1, 21)]
     assert losses[-1] < 0.8 * losses[0]
@@ -237,12 +236,11 @@ def test_one_gpu_blockwise_experts_compute_with_fp8_blocks_the_optimizer_writes(
                  train=TrainConfig(global_batch=4, micro_batch=2, seq_len=64, lr=3e-3, warmup_steps=0, steps=10,
                                    optimizer_state_dtype="bf16", expert_precision="fp8-blockwise"))
     device = torch.device("cuda")
-    model = build_model(cfg, 1, device)
-    copies = model.compute_copies
+    model, copies = build_model(cfg, 1, device)
     stacks = [m for m in model.modules() if isinstance(m, GroupedExperts)]  # the MoE layer's and the MTP module's
     assert len(stacks) == 2 and set(copies.own_of) == {p for m in stacks for p in (m.w13, m.w2)}
     assert all(copies.copy_of[p].stride() == (0, 0, 0) for p in copies.own_of)
-    optimizer = build_optimizer(model, cfg.train, device)
+    optimizer = build_optimizer(model, cfg.train, device, copies)
     batch = torch.randint(0, FLAVORS["debug"].vocab_size, (4, 65), device=device)
     losses = []
     for step in range(1, 11):
@@ -282,7 +280,7 @@ def test_an_exception_inside_backward_leaves_the_fp32_parameters_in_the_model():
     bf16 copies, which the optimizer state could not map to names."""
     model = _with_copies()
     t = TrainConfig(global_batch=4, micro_batch=2, seq_len=32, optimizer_state_dtype="bf16")
-    optimizer = build_optimizer(model, t, torch.device("cpu"))
+    optimizer = build_optimizer(model, t, torch.device("cpu"), model.compute_copies)
 
     def fail(grad):
         raise RuntimeError("failed in backward")

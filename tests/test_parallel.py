@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
+from conftest import free_port, leave_process_group, torchrun_env
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch.distributed.fsdp import FSDPModule
@@ -21,7 +21,6 @@ from dsv3.config import FLAVORS, Config, ParallelConfig, TrainConfig
 from dsv3.model import Transformer
 from dsv3.moe import MoE
 from train import build_model, build_optimizer, train_step
-from conftest import free_port, leave_process_group, torchrun_env
 
 CFG = replace(FLAVORS["debug"], n_layers=3, max_seq_len=32)
 TRAIN = TrainConfig(global_batch=8, micro_batch=2, seq_len=32, lr=1e-3, warmup_steps=0, steps=3,
@@ -64,7 +63,7 @@ def _run(model: Transformer, batches: torch.Tensor, rank: int, world: int, train
     model.zero_grad(set_to_none=True)
     if copies:
         copies.zero_grad()
-    optimizer = build_optimizer(model, train, torch.device("cpu"))
+    optimizer = build_optimizer(model, train, torch.device("cpu"), copies)
     losses = []
     for step in range(1, STEPS + 1):
         for group in optimizer.param_groups:
@@ -182,9 +181,9 @@ def _fsdp_units_worker(rank: int, world: int, ep: int, port: int, out_path: str)
     _save_from_rank_0_and_leave(rank, {
         "experts_fsdp": [isinstance(b.ffn.experts, FSDPModule) for b in moe_blocks],
         "expert_mesh_dims": [b.ffn.experts.w13.device_mesh.ndim for b in moe_blocks],
-        "copies": sorted(n for n, p in model.named_parameters() if p in getattr(model, "compute_copies",
-                                                                                  optim.ComputeCopies(model, torch.float32,
-                                                                                                      params=[])).copy_of)},
+        "copies": sorted(n for n, p in model.named_parameters()
+                         if p in getattr(model, "compute_copies", optim.ComputeCopies(model, torch.float32,
+                                                                                      params=[])).copy_of)},
         out_path)
 
 
@@ -197,7 +196,8 @@ def test_experts_leave_fsdp_only_where_its_mesh_would_have_one_rank(world, ep, t
     mp.spawn(_fsdp_units_worker, args=(world, ep, free_port(), str(out)), nprocs=world)
     got = torch.load(out)
     outside = ep == world
-    assert got["experts_fsdp"] and all(not f for f in got["experts_fsdp"]) == outside and any(got["experts_fsdp"]) != outside
+    assert got["experts_fsdp"]
+    assert all(not f for f in got["experts_fsdp"]) == outside and any(got["experts_fsdp"]) != outside
     if outside:
         assert got["expert_mesh_dims"] == [1] * len(got["expert_mesh_dims"])
         assert got["copies"] and all(".ffn.experts." in n for n in got["copies"])
@@ -240,8 +240,7 @@ def _compiled_ep_worker(rank: int, world: int, port: int, out_path: str) -> None
     for compile in (False, True):
         cfg = Config(flavor="debug", parallel=ParallelConfig(ep=world),
                      train=TrainConfig(global_batch=4 * world, micro_batch=4, seq_len=128, compile=compile))
-        model = build_model(cfg, world, device)  # seeds from train.seed
-        copies = getattr(model, "compute_copies", None)  # the routed experts at ep == world
+        model, copies = build_model(cfg, world, device)  # seeds from train.seed; copies: the experts at ep == world
         with copies.active() if copies else contextlib.nullcontext():
             out = model(local[:, :-1], local[:, 1:])
             (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
@@ -302,16 +301,17 @@ def _compiled_ac_worker(rank: int, world: int, ep: int, port: int, out_path: str
     _save_from_rank_0_and_leave(rank, results, out_path)
 
 
-@pytest.mark.parametrize("ac,ep,world,mtp", [("selective", 2, 2, True), ("full", 2, 2, True), ("selective", 1, 2, False),
-                                             ("selective", 2, 4, True), ("selective", 2, 2, False), ("full", 2, 2, False)])
+@pytest.mark.parametrize("ac,ep,world,mtp", [("selective", 2, 2, True), ("full", 2, 2, True),
+                                             ("selective", 1, 2, False), ("selective", 2, 4, True),
+                                             ("selective", 2, 2, False), ("full", 2, 2, False)])
 @pytest.mark.slow
 def test_compile_reaches_checkpointed_moe_blocks(ac, ep, world, mtp, tmp_path):
     """Activation checkpointing + torch.compile: the MoE blocks' expert GEMMs run compiled (a graph break inside a
     compiled checkpoint once sent whole MoE blocks back to eager), and the compiled run's loss and gradients equal
     the eager checkpointed run's, over two steps (a recompile between forward and recompute would make selective AC
     fail), with no graph break at ep == world without MTP: with EP and MTP (dynamic shapes; at world 4 with EP 2 the
-    routed experts are an FSDP unit of their own inside the block), without either (static), and with EP alone, whose graphs see only the received rows' count
-    change: no width is symbolic (dynamic widths are slower kernels)."""
+    routed experts are an FSDP unit of their own inside the block), without either (static), and with EP alone, whose
+    graphs see only the received rows' count change: no width is symbolic (dynamic widths are slower kernels)."""
     out = tmp_path / "rank0.pt"
     mp.spawn(_compiled_ac_worker, args=(world, ep, free_port(), str(out), ac, mtp), nprocs=world)
     got = torch.load(out)
@@ -567,7 +567,7 @@ def _accumulation_worker(rank: int, world: int, port: int, out_path: str) -> Non
     for accumulate in (False, True):
         torch.manual_seed(0)
         model = _parallelize(Transformer(CFG), world, ep=2)
-        optimizer = build_optimizer(model, TRAIN, torch.device("cpu"))
+        optimizer = build_optimizer(model, TRAIN, torch.device("cpu"), getattr(model, "compute_copies", None))
         held_per_forward = []
         probe = model.register_forward_pre_hook(lambda *_: held_per_forward.append(_unsharded_grads_held(model)),
                                                 prepend=True)  # before FSDP's own pre-forward unshards anything
@@ -605,7 +605,7 @@ def _copies_worker(rank: int, port: int, ac: str, out_path: str) -> None:
         else:
             parallel.apply_activation_checkpointing(model, ac)
             model.compute_copies = optim.ComputeCopies(model, torch.bfloat16)
-        optimizer = build_optimizer(model, train, torch.device("cpu"))
+        optimizer = build_optimizer(model, train, torch.device("cpu"), getattr(model, "compute_copies", None))
         name_of = {p: _unwrapped(n) for n, p in model.named_parameters()}
         params = [p for group in optimizer.param_groups for p in group["params"]]
         first_grads = {name_of[p]: _full(g).clone() for p, g in zip(params, _grads_of_first_step(optimizer))}

@@ -11,10 +11,20 @@ import torch
 
 import train
 from dsv3.config import FLAVORS, UserError, load_config, run_main
+from dsv3.flops import block_params, dense_and_expert_params
 from dsv3.model import Transformer
-from dsv3.metrics import block_params, dense_and_expert_params
-from dsv3.plan import (COLLECTIVE_EFFICIENCY, FIT_FRACTION, GIB, INFINIBAND_GB_S, _fixes, check_fits, layout_flags,
-                       plan, search, train_hours)
+from dsv3.plan import (
+    COLLECTIVE_EFFICIENCY,
+    FIT_FRACTION,
+    GIB,
+    INFINIBAND_GB_S,
+    _fixes,
+    check_fits,
+    layout_flags,
+    plan,
+    search,
+    train_hours,
+)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import plan as plan_cli  # noqa: E402  (scripts/plan.py)
@@ -168,8 +178,8 @@ def test_one_gpu_folds_each_bf16_gradient_into_fp32_accumulators_at_once():
 
 
 def test_from_two_micro_batches_per_gpu_on_the_global_batch_no_longer_changes_the_peak():
-    ramp = ["--train.seq_len=8192", "--model.max_seq_len=8192", "--model.original_seq_len=8192", "--train.micro_batch=4",
-            "--train.batch_ramp_start=512"]
+    ramp = ["--train.seq_len=8192", "--model.max_seq_len=8192", "--model.original_seq_len=8192",
+            "--train.micro_batch=4", "--train.batch_ramp_start=512"]
     peaks = [plan(load_config("configs/671b.toml", ramp + [f"--train.global_batch={batch}"]), 256, "b200")
              .memory_gib_per_gpu for batch in (1024, 2048, 15360)]  # 1, 2 and 15 micro-batches
     assert peaks[0] < peaks[1] == pytest.approx(peaks[2], rel=1e-12)
@@ -246,7 +256,8 @@ def test_a_config_that_cannot_fit_is_refused_with_the_fix():
     with pytest.raises(UserError, match="cannot fit.*--train.activation_checkpoint=selective") as refused:
         check_fits(cfg, 1, "NVIDIA H100 80GB HBM3", int(between * GIB))
     fastest, _ = search(cfg, 1, "h100", between)[0]
-    assert f"the fastest layouts that fit (scripts/plan.py --search):\n  {layout_flags(fastest)}  (" in str(refused.value)
+    fastest_line = f"the fastest layouts that fit (scripts/plan.py --search):\n  {layout_flags(fastest)}  ("
+    assert fastest_line in str(refused.value)
     with pytest.raises(UserError, match="use more GPUs"):
         check_fits(cfg, 1, "NVIDIA H100 80GB HBM3", int(20 * GIB))
 

@@ -20,8 +20,7 @@ import zstandard
 
 import scripts.prepare_data as prepare_data
 from dsv3.config import UserError
-from dsv3.corpus import (FEED_BYTES, STDLIB_MAX_CHARS, ReadOptions, expand_inputs, plan_units, read_unit,
-                         stdlib_units)
+from dsv3.corpus import FEED_BYTES, STDLIB_MAX_CHARS, ReadOptions, expand_inputs, plan_units, read_unit, stdlib_units
 from dsv3.tokenizer import Tokenizer, find_tokenizer
 from scripts.prepare_data import prepare
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import free_port, leave_process_group
 from torch import nn
 
 from dsv3 import moe as moe_module
@@ -24,7 +25,6 @@ from dsv3.lowp import quant
 from dsv3.model import RMSNorm, Transformer
 from dsv3.moe import MLP, GroupedExperts, MoE, Router, grouped_mm
 from dsv3.token_copies import TokenCopies, gather_token_copies, pad_order, row_of_slot
-from conftest import free_port, leave_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = FLAVORS["debug"]  # every dim a multiple of 32: each precision converts every eligible linear
@@ -155,8 +155,8 @@ def test_the_shape_rule_is_fp8_only():
 
 
 def test_fp8_recipes_configure_torchao_and_keep_the_weight_parameters():
-    from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     def convert(recipe: str, fsdp: bool = True) -> tuple[nn.Parameter, nn.Module]:
@@ -569,8 +569,9 @@ def _train(tmp_path, *overrides: str) -> list[dict]:
     run = tmp_path / "run"
     # fp8_min_features=0: the debug model's narrow linears are converted too (a speed rule, not a numerics one)
     train.main(["--train.fp8_min_features=0", "--train.steps=20", "--train.global_batch=8", "--train.micro_batch=4",
-                "--train.seq_len=64", "--train.warmup_steps=2", "--train.lr=1e-3", "--train.val_every=0", "--log.every=5",
-                f"--data.path={data}", f"--checkpoint.dir={run}", "--checkpoint.export=false", *overrides])
+                "--train.seq_len=64", "--train.warmup_steps=2", "--train.lr=1e-3", "--train.val_every=0",
+                "--log.every=5", f"--data.path={data}", f"--checkpoint.dir={run}", "--checkpoint.export=false",
+                *overrides])
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 

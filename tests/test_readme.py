@@ -33,11 +33,12 @@ RUN = {
 ELSEWHERE = [
     ("pip install", "installs packages"),
     ("python -m pytest", "this test suite"),
+    ("ruff check", "the linter, which .ci/run runs before this suite"),
     ("python scripts/prepare_data.py", "the data fixture builds the bundled corpus; the others read your files"),
     ("python scripts/train_tokenizer.py", "reads your corpus"),
     ("python scripts/convert_hf.py --to-dsv3", "reads a downloaded Hugging Face checkpoint"),
-    ("python scripts/convert_hf.py --to-hf runs/v3-continued/", "a 671B run's export (tests/test_continue_pretraining.py "
-                                                               "runs the same commands on a tiny model)"),
+    ("python scripts/convert_hf.py --to-hf runs/v3-continued/",
+     "a 671B run's export (tests/test_continue_pretraining.py runs the same commands on a tiny model)"),
     ("python scripts/bench.py", "a GPU benchmark: its config and overrides are checked"),
     ("python scripts/bench_fp8.py", "a GPU benchmark: its config and overrides are checked"),
     ("python scripts/bench_save.py", "a GPU measurement (tests/test_async_save.py runs it on a tiny model)"),

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port, leave_process_group, torchrun_env
 
 from dsv3.stop import StopSignal, resume_command
-from conftest import free_port, leave_process_group, torchrun_env
 
 
 def test_the_first_signal_is_kept_and_later_ones_change_nothing():

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import free_port, load_export, read_metrics, torchrun_vars
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -27,7 +28,6 @@ from dsv3 import checkpoint, export
 from dsv3.config import FLAVORS, Config, DataConfig, ModelConfig, TrainConfig, UserError, load_config, run_main
 from dsv3.hf import config_from_hf, config_to_hf, save_config
 from dsv3.model import Transformer
-from conftest import free_port, load_export, read_metrics, torchrun_vars
 from scripts import convert_hf, generate
 from scripts import plot as plot_script
 

@@ -1,37 +1,17 @@
 """Triton kernels that quantize the routed experts' operands for their FP8 grouped GEMMs
-(`quant.fp8_rowwise_grouped_mm`, `quant.fp8_blockwise_grouped_mm`) where inductor cannot: the weights along each
-axis or in blocks, the token rows in 1×128 tiles, and the weight gradient's token rows along the tokens of each
-expert's group. (The token rows' whole-row scales are plain torch ops, fused by inductor into the kernels that make
-them.) The scales are powers of two, 2^⌊log2(448 / amax)⌋, as `quant.to_fp8_rowwise`'s and torchao's, and the
-rowwise results are theirs bit for bit.
+(`quant.fp8_rowwise_grouped_mm`, `quant.fp8_blockwise_grouped_mm`) where inductor cannot. Scales are powers of two,
+2^⌊log2(448 / amax)⌋, as `quant.to_fp8_rowwise`'s and torchao's; the rowwise results are theirs bit for bit.
 
-Weights: the forward GEMM needs each expert's W [M, K] (K contiguous) scaled along K, one scale per row; the input
-gradient's GEMM needs Wᵀ scaled along M, one scale per column, stored transposed. torchao 0.18's kernels read W
-twice per layout (an amax pass, then a cast pass that finds it evicted from L2): 10 bytes moved per weight element
-per step. Here the forward kernel holds whole rows in registers, so it quantizes them in one read, and also records
-each column's amax over the rows it saw; the backward kernel casts Wᵀ with those amaxes: 6 bytes per element.
-
-Blocks (`quant.fp8_blockwise_grouped_mm`): one power-of-two scale per 128×128 block of each expert's weight, which
-does not change when the block is read transposed, so one kernel reads W once and writes both W and Wᵀ in e4m3.
-At one GPU the optimizer writes those blocks itself (`adamw_weight_blocks`): the AdamW update of each 128×128
-block, then its e4m3 cast in both layouts, in place of a bf16 copy of the weights that the next forward would read
-back and quantize.
-
-Tiles (`quant.fp8_blockwise_grouped_mm`): one scale per 1×128 tile of a token row, read once. As plain torch ops
-inductor split them into an amax kernel and a cast kernel, some of them below half the bandwidth. While the kernel
-reads the rows, it records each column's amax over each block of 128 rows, for the token groups' scales. The
-experts' input rows it gathers from the dispatcher's source as it reads them (`token_copies.TokenCopies`), as the token
-groups' kernel does in the backward: those rows are never written in bf16. Nor is the gradient of the experts'
-output rows, where the experts sum them per token (y_t = Σ_k g_t,k · row): both kernels read it as ∂y_t · g_t,k, and
-the tiles' kernel also makes ∂g_t,k = ⟨∂y_t, row⟩ as it reads ∂y_t (`fp8_tiles_of_weighted_rows`).
-
-Token groups: the weight gradient grad_outᵀ · x takes both operands scaled per column within each expert's group
-and stored column-major. One program per group and block of 32 columns makes an amax pass over the group's rows,
-then a cast pass, 256 rows at a time: of the launches tried on an H200 (docs/precision.md), the fastest. Where the
-tiles' kernel has read the operand (blockwise experts, whose groups are whole blocks of 128 rows), its column amaxes
-replace the amax pass.
-
-Imported only when FP8 experts run: it needs triton and a CUDA GPU.
+- Weights: W [M, K] scaled along K for the forward (whole rows in registers, one read, recording each column's amax)
+  and Wᵀ scaled along M for the input gradient, cast with those amaxes.
+- Blocks: one scale per 128×128 block, the same read transposed: one read writes W and Wᵀ in e4m3; at one GPU the
+  optimizer writes them as it updates each block (`adamw_weight_blocks`).
+- Tiles: one scale per 1×128 tile of a token row, the rows gathered from the dispatcher's source as they are read
+  (`token_copies.TokenCopies`), recording per-128-row column amaxes; `fp8_tiles_of_weighted_rows` reads the output
+  gradient as ∂y_t · g_t,k and makes ∂g_t,k = ⟨∂y_t, row⟩ on the way.
+- Token groups: the weight gradient's operands scaled per column within each expert's group, column-major.
+Why each kernel exists and what it saves: docs/precision.md#the-fp8-experts-kernels. Imported only when FP8 experts
+run: it needs triton and a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -321,10 +301,10 @@ def _fp8_tiles_kernel(x_ptr, source_rows_ptr, row_weights_ptr, dot_rows_ptr, dot
     tl.store(block_amax_ptr + block_row.to(tl.int64) * K + cols, tl.max(col_amax, axis=0))
 
 
-# `flexible_layout`: inductor hands the op the buffer that made x. Under its default (exact strides), an operand
-# read by this op and saved for `fp8_group_cols` in the backward (then: the gathered token rows) was written twice
-# by the kernel that made it (torch 2.11). The ops make x contiguous themselves, a no-op for inductor's row-major
-# buffers.
+# torch<2.14: `flexible_layout`, inductor hands the op the buffer that made x. Under its default (exact strides), an
+# operand read by this op and saved for `fp8_group_cols` in the backward (then: the gathered token rows) was written
+# twice by the kernel that made it (seen on torch 2.11). The ops make x contiguous themselves, a no-op for inductor's
+# row-major buffers.
 @torch.library.custom_op("dsv3::fp8_tiles", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def fp8_tiles(x: torch.Tensor, source_rows: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,33 +1,15 @@
-"""Low-precision training (paper §3.3, docs/precision.md), applied to the built model from outside, after it is built
-and before expert parallelism, activation checkpointing, compile and FSDP2. torchao 0.18 is called directly,
-each call in one function named for what it does, and imported only here, only when a mode needs it.
+"""Low-precision training (paper §3.3), applied to the built model from outside, after it is built and before
+expert parallelism, activation checkpointing, compile and FSDP2. torchao 0.18 is called directly, each call in one
+function named for what it does, and imported only here, only when a mode needs it.
 
-`train.precision` picks the format of the dense linears:
-  bf16            nothing changes.
-  fp8             e4m3, compute capability ≥ 8.9, with the scales of `train.fp8_recipe`:
-                    rowwise     (train.py's default) one scale per row of each GEMM operand: held bf16's loss
-                                (docs/precision.md).
-                    tensorwise  one scale per tensor: faster to quantize; held the loss with bf16 moments, not
-                                with fp32 ones. Under FSDP2 torchao.float8's `Float8Linear`, its
-                                weights all-gathered in fp8: call `precompute_fp8_scales(model)` after every
-                                optimizer step; without FSDP the same linear, its weights bf16.
-                  (DeepSeek-V3's own 1×128 / 128×128 blockwise recipe for the dense linears, through torchao,
-                  did not pay on Hopper: docs/precision.md.)
-                  Decided by shape: only linears with min(in_features, out_features) ≥ `train.fp8_min_features`
-                  are converted. Quantizing moves bytes in proportion to T·(in + out), the GEMM saves time in
-                  proportion to T·in·out, so below that width the quantization costs more than FP8 saves.
-  mxfp8           torchao `MXFP8Linear`: e4m3 elements in blocks of 32 sharing a power-of-two scale. SM100 only.
-  mxfp8-emulated  the same numerics, quantized and dequantized around bf16 GEMMs: any device, no speed-up.
-`train.expert_precision=low` runs the routed experts' grouped GEMMs in that format too (fp8, either recipe: rowwise
-scales), with every expert's token group padded by the dispatcher to the rows the kernel needs (`GROUP_ALIGN`).
-`train.expert_precision=fp8-blockwise` (Hopper; bf16 or fp8 dense linears) runs them in DeepSeek-V3's own recipe
-instead: 1×128 tiles of the token rows and 128×128 blocks of the weights through DeepGEMM's grouped GEMM for the
-forward and the input gradient, groups padded to 128 rows; the weight gradient stays rowwise.
-
-Never quantized: the embedding, the router gate, the norms and the output head (DeepSeek-V3 §3.3.1). The MTP
-modules (eh_proj included) keep bf16 dense linears as well: they see B·(S−k) tokens, a count that fp8's
-weight-gradient GEMM (token dim in multiples of 16) and MXFP8 (blocks of 32 tokens) cannot take in general.
-Their routed experts do follow `expert_precision`, since padded groups have the right size by construction.
+`train.precision` picks the dense linears' format: bf16 | fp8 (e4m3, scales per `train.fp8_recipe`: rowwise, or
+tensorwise, whose FSDP2 all-gather needs `precompute_fp8_scales(model)` after every optimizer step) | mxfp8 (SM100) |
+mxfp8-emulated (its numerics around bf16 GEMMs, any device); only linears with min(in, out) ≥ `fp8_min_features`
+convert. `train.expert_precision` runs the routed experts' grouped GEMMs in that format (`low`, groups padded to
+`GROUP_ALIGN` rows) or in DeepSeek-V3's blockwise recipe through DeepGEMM (`fp8-blockwise`, Hopper). Never
+quantized: the embedding, the router gate, the norms, the output head (§3.3.1) and the MTP modules' dense linears
+(B·(S−k) tokens fit neither fp8's nor MXFP8's token multiples); their routed experts follow `expert_precision`.
+The modes, recipes and their measurements: docs/precision.md.
 """
 
 from __future__ import annotations
@@ -40,14 +22,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dsv3.config import UserError
+from dsv3.config import EXPERT_PRECISIONS, FP8_RECIPES, PRECISIONS, UserError
 from dsv3.lowp import BLOCK
 from dsv3.moe import GroupedExperts, MoE, swiglu
 from dsv3.token_copies import TokenCopies, row_of_slot, slot_gradients, sum_token_copies, weighted_row_sum
 
-PRECISIONS = ("bf16", "fp8", "mxfp8", "mxfp8-emulated")
-EXPERT_PRECISIONS = ("bf16", "low", "fp8-blockwise")
-FP8_RECIPES = ("rowwise", "tensorwise")
 # Rows per token group the low-precision grouped GEMMs need: fp8 rowwise `_scaled_grouped_mm` takes groups in
 # multiples of 16; MXFP8 quantizes the weight gradient's token dimension in blocks of 32 (emulated too, so that
 # its blocks never straddle two experts, like the real kernel's).
@@ -58,7 +37,7 @@ FEATURE_MULTIPLE = {"fp8": 16, "mxfp8": 32, "mxfp8-emulated": 32}
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
-class _EnumRegisteredAsConstant(logging.Filter):
+class _EnumRegisteredAsConstant(logging.Filter):  # torchao<0.19:
     """torchao 0.18 registers its MX config enums (KernelPreference, ScaleCalculationMode) as pytree constants when
     imported; torch 2.13 supports enums natively and logs a deprecation warning per class, addressed to torchao,
     not to whoever trains with it. Only those records are dropped."""
@@ -379,8 +358,8 @@ class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
         w_fp8, wt_fp8, w_inv_scales = w_blocks or fp8_weight_blocks(w.transpose(-2, -1).contiguous())
         groups = group_of_row(offsets, x_fp8.size(0))
         ctx.n_blocks, ctx.topk = len(w_blocks), topk
-        # DeepGEMM's output itself: returning an alias of it (`.to` of its own dtype) lost the gradient under
-        # torch.compile (torch 2.11)
+        # torch<2.14: DeepGEMM's output itself; returning an alias of it (`.to` of its own dtype) lost the gradient
+        # under torch.compile (seen on torch 2.11)
         out = fp8_block_grouped_mm(x_fp8, x_inv_scales, w_fp8, w_inv_scales, groups)
         saved = (x, x_amax, wt_fp8, w_inv_scales, offsets, groups, order, source_rows)
         if sum_order is None:
