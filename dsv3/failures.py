@@ -141,7 +141,12 @@ def _rank_prefix() -> str:
     return f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
 
 
+_HANDLER_PID = os.getpid()
+
+
 def _on_sigterm(signum: int, frame: object) -> None:
+    if os.getpid() != _HANDLER_PID:  # a forked worker (prepare_data's pool) that its parent ends: end quietly
+        os._exit(128 + signum)
     raise Stopped(signum)
 
 
@@ -151,6 +156,8 @@ def run(main: Callable[[], object]) -> None:
     first (not after a peer died: the process leaves at once), so no rank waits on one that has left."""
     _Run.run_dir, _Run.argv = None, []
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        global _HANDLER_PID
+        _HANDLER_PID = os.getpid()
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         main()

@@ -39,8 +39,8 @@ def main() -> None:
     mcfg, t = cfg.model_config(), cfg.train
     rank, world, device = parallel.init_distributed(t.device)
     train.check_setup(cfg, world, device)
-    model = train.build_model(cfg, world, device)
-    optimizer = train.build_optimizer(model, t, device)
+    model, copies = train.build_model(cfg, world, device)
+    optimizer = train.build_optimizer(model, t, device, copies)
     generator = torch.Generator().manual_seed(rank)
     run_dir = Path(args.dir)
 

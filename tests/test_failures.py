@@ -142,7 +142,7 @@ def test_a_diverged_run_is_one_line_with_exit_code_4(data, tmp_path, monkeypatch
     model_of = {}
     real_build = train.build_model
     monkeypatch.setattr(train, "build_model", lambda *a, **k: model_of.setdefault("model", real_build(*a, **k)))
-    poison = lambda: model_of["model"].embed.weight.data.fill_(float("nan"))  # noqa: E731
+    poison = lambda: model_of["model"][0].embed.weight.data.fill_(float("nan"))  # noqa: E731
     ended = run_until(tmp_path, monkeypatch, 3, poison, "--train.steps=4", "--checkpoint.every=1")
     assert ended.code == failures.DIVERGED
     line = one_line(capsys.readouterr().err)

@@ -445,7 +445,8 @@ def test_one_rank_exchange_compiles_whole_and_trains_as_the_local_dispatcher_on_
 class _CountExchanges(TorchDispatchMode):
     """Counts all-to-all exchanges, functional or not."""
 
-    OPS = {torch.ops._c10d_functional.all_to_all_single.default, torch.ops.c10d.alltoall_base_.default}
+    OPS = {torch.ops._c10d_functional.all_to_all_single.default, torch.ops.c10d.alltoall_base_.default,
+           torch.ops._c10d_functional_autograd.all_to_all_single.default}
 
     def __init__(self):
         super().__init__()
