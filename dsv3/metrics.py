@@ -11,6 +11,7 @@ import datetime
 import json
 import netrc
 import os
+import re
 import shlex
 import sys
 import time
@@ -68,11 +69,12 @@ def run_summary(run_dir: str, last_checkpoint: str | None, export_dir: str | Non
     if export_dir:
         lines += [f"  python scripts/generate.py {shlex.quote(export_dir)} --prompt 'The'  # sample text",
                   f"  python scripts/convert_hf.py --to-hf {shlex.quote(export_dir)} "
-                  f"{shlex.quote(os.path.join(run_dir, 'hf'))}  # for transformers"]
+                  f"{shlex.quote(os.path.join(run_dir, f'hf-step-{steps}'))}  # for transformers"]
     elif last_checkpoint:
         lines.append(f"  python scripts/generate.py {shlex.quote(last_checkpoint)} --prompt 'The'  # sample text")
     if last_checkpoint:
-        lines.append(f"  {resume} --train.steps={2 * steps}  # train on")
+        train_on = re.sub(r" --train\.steps=\S+", "", resume)  # the run's own step count gives way to the new one
+        lines.append(f"  {train_on} --train.steps={2 * steps}  # train on")
     return "\n".join(lines)
 
 

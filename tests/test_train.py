@@ -613,10 +613,16 @@ def test_a_finished_run_ends_naming_its_results_and_next_commands_that_run_as_pr
     assert capsys.readouterr().out.startswith("The")
     assert to_hf[:3] == ["python", "scripts/convert_hf.py", "--to-hf"]
     convert_hf.main(to_hf[2:])
-    assert (run_dir / "hf" / "config.json").is_file()
+    assert (run_dir / "hf-step-2" / "config.json").is_file()
     assert train_on[:2] == ["python", "train.py"] and train_on[-2:] == ["--resume", "--train.steps=4"]
     train.main(train_on[2:])
     assert max(read_metrics(run_dir)) == 4
+    # the continued run's own next commands paste too: one --train.steps, a directory of its own for transformers
+    out = capsys.readouterr().out
+    *_, to_hf, train_on = (shlex.split(line, comments=True) for line in out[out.index("next:"):].splitlines()[1:])
+    assert [a for a in train_on if a.startswith("--train.steps")] == ["--train.steps=8"]
+    convert_hf.main(to_hf[2:])
+    assert (run_dir / "hf-step-4" / "config.json").is_file()
 
 
 def test_a_run_without_an_export_names_the_sampling_command_for_its_checkpoint(data, tmp_path, capsys):
