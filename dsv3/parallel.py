@@ -171,7 +171,7 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
         kwargs["context_fn"] = lambda: create_selective_checkpoint_contexts(_selective_policy)
         # FSDP2's hooks in a block record profiler ranges a different number of times in forward and in recompute
         # (the routed experts are their own FSDP unit), and SAC replays ops by count: at ep > 1 the first backward
-        # failed. SAC ignores them upstream since pytorch #196862; torch 2.11-2.13 need it said.
+        # failed. # torch<2.14: SAC ignores them upstream since pytorch #196862; torch 2.11-2.13 need it said.
         SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
                                 torch.ops.profiler._record_function_exit._RecordFunction})
     for key, block in list(model.layers.items()):

@@ -57,7 +57,7 @@ def pads_groups(align: int, device: torch.device) -> bool:
     return align > 1 or _empty_groups_break_grouped_mm(device)
 
 
-@torch.compiler.assume_constant_result
+@torch.compiler.assume_constant_result  # pytorch #172439: drop when the B200 grouped GEMM zeroes empty groups
 def _empty_groups_break_grouped_mm(device: torch.device) -> bool:
     """torch's bf16 `_grouped_mm` on compute capability 10.x (B200) gives groups of no rows non-zero weight
     gradients (pytorch #172439); Hopper and the CPU give zeros."""
@@ -151,8 +151,8 @@ def _sum_rows_of_slots(rows: torch.Tensor, row_of_slot: torch.Tensor,
     kernel under inductor, where a sum over a [T, K, D] gather is a reduction over K that it tiles into blocks of a
     few dozen outputs. An empty slot reads row 0 and is then deselected, not multiplied by 0: a non-finite row 0
     stays its own token's."""
-    # the K columns by unbind, not range(row_of_slot.size(1)): traced inside a checkpoint, torch 2.11's dynamo
-    # returns every intermediate of an autograd.Function's forward, and fails (AssertionError) on that size
+    # torch<2.14: the K columns by unbind, not range(row_of_slot.size(1)): traced inside a checkpoint, torch 2.11's
+    # dynamo returns every intermediate of an autograd.Function's forward, and fails (AssertionError) on that size
     weights = slot_weights.unbind(1) if slot_weights is not None else [None] * row_of_slot.size(1)
     total = 0
     for row, weight in zip(row_of_slot.unbind(1), weights):
