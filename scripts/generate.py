@@ -18,6 +18,7 @@ cost is fine.
 
 import argparse
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -78,6 +79,13 @@ def load_model(path: Path, config: str | None, overrides: list[str],
     else:
         run = load_config(config, overrides)
         cfg, tokenizer = run.model_config(), data_tokenizer(run.data.mixture())
+        if (path / checkpoint.TRAIN_STATE).is_file():  # before a model is built: another model's weights do not load
+            recorded = ModelConfig(**checkpoint.read_train_state(path)["config"]["model"])
+            changed = [f"{f.name} {getattr(cfg, f.name)} (it holds {getattr(recorded, f.name)})"
+                       for f in fields(ModelConfig) if getattr(cfg, f.name) != getattr(recorded, f.name)]
+            if changed:
+                raise UserError(f"--config {config} describes another model than {path} holds: model."
+                                f"{', model.'.join(changed)}; leave out --config (the checkpoint records its model)")
     model = Transformer(cfg).eval()
     if exported:
         export.load_weights(path, model)

@@ -89,6 +89,19 @@ def test_a_checkpoint_that_records_no_config_is_refused_naming_what_to_pass(tmp_
         main([str(saved), "--device", "cpu"])
 
 
+def test_a_config_for_another_model_is_refused_before_any_model_is_built(tmp_path, monkeypatch):
+    """A checkpoint of the debug model sampled with the 16B's --config: one line naming what differs, not a model
+    built for a minute and then DCP's size-mismatch traceback."""
+    from dataclasses import asdict
+
+    import scripts.generate as generate_script
+    saved = _checkpoint(tmp_path, {"step": 5, "config": {"model": asdict(FLAVORS["debug"])}})
+    monkeypatch.setattr(generate_script, "Transformer", lambda *a: pytest.fail("built a model"))
+    with pytest.raises(UserError, match=r"^--config configs/16b_4layer.toml describes another model than .*: "
+                                        r"model\.vocab_size .*leave out --config"):
+        main([str(saved), "--config", "configs/16b_4layer.toml", "--device", "cpu"])
+
+
 def test_a_checkpoint_is_verified_before_its_train_json_is_read(tmp_path):
     saved = _checkpoint(tmp_path, {"step": 5, "config": {}})
     train_json = saved / checkpoint.TRAIN_STATE
