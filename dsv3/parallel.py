@@ -203,15 +203,16 @@ def apply_compile(model: Transformer, world: int, backend: str | Callable = "ind
     deepep = any(isinstance(d, dispatch.DeepEPDispatcher) for d in dispatchers)
     all_to_all = [d for d in dispatchers if isinstance(d, dispatch.AllToAllDispatcher)]
     ep = all_to_all[0].ep if all_to_all else 1
-    pads = any(d.align > 1 for d in dispatchers) or (torch.cuda.is_available() and pads_groups(1, torch.device("cuda")))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the model may still be on meta
+    pads = any(pads_groups(d.align, device) for d in all_to_all)  # bucketed: a graph break in the all_to_all block
     whole = moe_blocks_compile_whole(world, world if deepep else ep, "deepep" if deepep else "all_to_all",
-                                     len(model.mtp), pads and bool(all_to_all))
+                                     len(model.mtp), pads)
     # EP's split sizes (`dispatch.host_splits`) as unbacked SymInts: no graph break, no recompile
     torch._dynamo.config.capture_scalar_outputs = True
     # Inside a checkpoint a recompile between a block's forward and its recompute would run another graph, which
     # selective AC rejects: sizes that change unmarked (DeepEP's row counts, the MTP block's sequence, the rows after
     # a padding graph break) are dynamic from the first compile.
-    dynamic = True if deepep or len(model.mtp) or (all_to_all and pads) else None
+    dynamic = True if deepep or len(model.mtp) or pads else None
     for block in model.blocks():
         inner = getattr(block, "_checkpoint_wrapped_module", None)
         if inner is not None and isinstance(inner.ffn, MoE) and not whole:
