@@ -10,7 +10,8 @@ for the host's busy time and waits. At ep > 1 it prints each EP
 rank's share of the routed tokens: at a constant full lr from step 1, random tokens collapse the routing within a few
 steps (one rank got every token), which is not a throughput anyone trains at: `--balanced-routing` measures what a
 balanced router gives (train.py on real data, where the bias balancing works, measures natural routing).
-`--one-rank-exchange` measures, on one GPU, what EP's code path costs without the network.
+`--one-rank-exchange` measures, on one GPU, what EP's code path costs without the network; `--simulated-link-ms`
+adds a link as slow as a real one (scripts/simulated_link.py) and reports how much of it the step hides.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ PHASES = [
     # casts to e4m3 (FSDP's fp8 all-gather), inductor's fusions of the scales: rowwise amax → exp2(floor(log2)),
     # tensorwise max(abs)
     ("fp8 quantize", ("fp8", "e4m3", "amax", "abs_max", "exp2_floor_log2")),
-    ("communication", ("nccl", "all_gather", "reduce_scatter", "alltoall", "deep_ep")),
+    ("communication", ("nccl", "all_gather", "reduce_scatter", "alltoall", "deep_ep", "simulated_link")),
     ("routing + permutation", ("sort", "topk", "radix", "scatter", "gather", "index", "cumsum", "bmm")),
     # inductor names a kernel from its sorted aten ops: a cast is x·scale clamped to e4m3 (..._to_copy_abs_clamp_max_
     # mul... for tensorwise, maybe fused into the norm or SwiGLU that made x), _scaled_mm takes 1/scale; after routing,
@@ -107,16 +108,17 @@ def _route_uniformly(router: Router, args: tuple, routing: Routing) -> Routing:
     return Routing(topk_idx, router.gate_weights(routing.scores, topk_idx), routing.scores)
 
 
-def install_one_rank_exchange(model: Transformer, device: torch.device) -> None:
+def install_one_rank_exchange(model: Transformer, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
     """--one-rank-exchange: every MoE exchanges its tokens through the all_to_all dispatcher over the group of one
     rank, EP's code path (the split sizes' host sync, the exchange, the received rows' unbacked count) without the
-    network. At world 1 `parallel.apply_compile` compiles it as it does the local dispatcher (around the checkpoint),
-    except where the all_to_all path pads its groups (low precision, B200): refused there."""
+    network (`group`: another group of one, e.g. a simulated link). At world 1 `parallel.apply_compile` compiles it as
+    it does the local dispatcher (around the checkpoint), except where the all_to_all path pads its groups (low
+    precision, B200): refused there."""
     if any(pads_groups(m.dispatcher.align, device) for m in parallel.moe_layers(model)):
         raise UserError("--one-rank-exchange measures the bf16 exchange on Hopper: here the experts' groups are "
                         "padded (a low precision, or a B200), which the one-rank path does not compile as EP does")
     for moe in parallel.moe_layers(model):
-        moe.dispatcher = dispatch.AllToAllDispatcher(dist.group.WORLD, model.cfg.n_routed_experts)
+        moe.dispatcher = dispatch.AllToAllDispatcher(group or dist.group.WORLD, model.cfg.n_routed_experts)
 
 
 def _clock(device: torch.device) -> torch.cuda.Event | float:
@@ -216,8 +218,10 @@ def expert_rows_vs_mean(loads: list[torch.Tensor]) -> list[float] | None:
     return [ratio.min().item(), ratio.max().item()]
 
 
-# CUDA runtime calls in which the host waits for the GPU
-HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+# CUDA runtime calls in which the host waits for the GPU: syncs, and copies, which wait for the work queued before
+# them (EP's split sizes reach the host by one; the copies to the GPU, from pinned memory, take microseconds)
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync",
+              "cudaMemcpy")
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
@@ -242,8 +246,9 @@ def gpu_times(kernels, steps: int) -> dict[str, float]:
 
 
 def host_times(events, steps: int) -> dict[str, float]:
-    """Per profiled step, in ms: the host's waits for the GPU (CUDA syncs; DeepEP's wait for its receive counts is a
-    spin inside its dispatch, not counted here) and the rest of the host's time from its first op to its last: busy."""
+    """Per profiled step, in ms: the host's waits for the GPU (CUDA syncs and copies; DeepEP's wait for its receive
+    counts is a spin inside its dispatch, not counted here) and the rest of the host's time from its first op to its
+    last: busy."""
     host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     waits = sum(e.time_range.end - e.time_range.start for e in host if e.name in HOST_WAITS)
     host_span = max(e.time_range.end for e in host) - min(e.time_range.start for e in host) if host else 0.0
@@ -278,6 +283,10 @@ def main() -> None:
     parser.add_argument("--one-rank-exchange", action="store_true",
                         help="one GPU: every MoE exchanges through all_to_all over the group of one, EP's code path "
                              "(graph breaks, host syncs, dynamic row counts) without the network")
+    parser.add_argument("--simulated-link-ms", type=float,
+                        help="with --one-rank-exchange: each exchange of token rows takes this long on its own stream "
+                             "(scripts/simulated_link.py), and the profile reports the part of it no compute hid")
+    parser.add_argument("--simulated-link-sms", type=int, default=24, help="the SMs the simulated link holds")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--kernels", help="write every profiled CUDA kernel (ms per step, phase) to this TSV file")
     parser.add_argument("--trace", help="write a Chrome trace (CPU ops and CUDA kernels) of the profiled steps here")
@@ -290,9 +299,16 @@ def main() -> None:
     train.check_setup(cfg, world, device)
     if args.one_rank_exchange and (world > 1 or device.type != "cuda"):  # before the model is built
         raise UserError("--one-rank-exchange measures EP's code path on one GPU: run it without torchrun, on CUDA")
+    if args.simulated_link_ms is not None and not args.one_rank_exchange:
+        raise UserError("--simulated-link-ms simulates EP's link under --one-rank-exchange: add it")
     model, copies = train.build_model(cfg, world, device)
+    link = None
+    if args.simulated_link_ms:
+        from scripts.simulated_link import simulated_link
+
+        link = simulated_link(args.simulated_link_ms, args.simulated_link_sms, device)
     if args.one_rank_exchange:
-        install_one_rank_exchange(model, device)
+        install_one_rank_exchange(model, device, link)
     if args.balanced_routing:
         install_balanced_routing(model)
     optimizer = train.build_optimizer(model, t, device, copies)
@@ -315,11 +331,24 @@ def main() -> None:
     _synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for i in range(args.steps):
-        step(args.warmup + i + 1)
-    _synchronize(device)
-    step_s = (time.perf_counter() - start) / args.steps
+
+    def timed(first: int) -> float:
+        """Seconds a step over `args.steps` steps from step `first`."""
+        start = time.perf_counter()
+        for i in range(args.steps):
+            step(first + i)
+        _synchronize(device)
+        return (time.perf_counter() - start) / args.steps
+
+    step_s = timed(args.warmup + 1)
+    if link:  # alternating with the link at no delay, which tells the part of the link that the step shows
+        link_calls, delayed_s, free_s = link.calls, [step_s], []
+        for block in range(3):
+            link.ns = 0 if block % 2 == 0 else int(args.simulated_link_ms * 1e6)
+            (free_s if block % 2 == 0 else delayed_s).append(timed(args.warmup + (block + 1) * args.steps + 1))
+        exchanges = (link.calls - link_calls) / (3 * args.steps)
+        step_s, free_s = sum(delayed_s) / len(delayed_s), sum(free_s) / len(free_s)
+        link.ns = int(args.simulated_link_ms * 1e6)  # the profiled steps' link
     tokens_per_s_per_gpu = local_batch * t.seq_len / step_s
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     flops = flops_per_token(mcfg, t.seq_len)
@@ -338,6 +367,10 @@ def main() -> None:
         "gflop_per_token": flops / 1e9,
         "loss_first_last": [losses[0].item(), losses[-1].item()],  # a broken run shows here, not in the speed
     }
+    if link:
+        result["simulated_link"] = {"ms": args.simulated_link_ms, "sms": args.simulated_link_sms,
+                                    "exchanges_per_step": exchanges, "ms_per_step": exchanges * args.simulated_link_ms,
+                                    "step_ms_without_delay": 1e3 * free_s, "exposed_ms": 1e3 * (step_s - free_s)}
     rows_vs_mean = expert_rows_vs_mean(loads[args.warmup:args.warmup + args.steps])  # the timed steps
     if rows_vs_mean is not None:
         result["expert_rows_vs_mean_min_max"] = rows_vs_mean
@@ -376,10 +409,15 @@ def main() -> None:
         trace = args.trace if rank == 0 else None
         host_events = profile_steps(step, args.profile_steps, [cpu, cuda], device, trace)
         result["profiled_ms"] = gpu_times(kernels, args.profile_steps) | host_times(host_events, args.profile_steps)
+        if link:  # the spin kernels' own time, a little over the asked-for delay
+            result["simulated_link"]["ms_per_step"] = per_phase["communication"]
         if args.kernels and rank == 0:
             with open(args.kernels, "w") as f:
                 f.writelines(f"{t:.3f}\t{phase_of(key)}\t{key}\n" for key, t in ms.items())
 
+    if link:
+        shown = result["simulated_link"]
+        shown["hidden"] = 1 - shown["exposed_ms"] / shown["ms_per_step"]
     if rank == 0:
         if args.json:
             print(json.dumps(result))
@@ -405,7 +443,12 @@ def main() -> None:
                 times = result["profiled_ms"]
                 print(f"  profiled step: GPU idle {times['gpu_idle']:.1f} ms, exposed communication "
                       f"{times['exposed_communication']:.1f} ms; host (under the CPU profiler, slower) busy "
-                      f"{times['host_busy']:.1f} ms, waiting in CUDA syncs {times['host_sync_wait']:.1f} ms")
+                      f"{times['host_busy']:.1f} ms, waiting in CUDA syncs and copies {times['host_sync_wait']:.1f} ms")
+            if "simulated_link" in result:
+                link = result["simulated_link"]
+                print(f"  simulated link: {link['ms_per_step']:.1f} ms a step ({link['exchanges_per_step']:.0f} "
+                      f"exchanges), of which the step shows {link['exposed_ms']:.1f} ms (at no delay "
+                      f"{link['step_ms_without_delay']:.1f} ms): {100 * link['hidden']:.0f}% hidden")
             for phase, ms in result.get("phase_ms", {}).items():
                 print(f"  {phase:<24} {ms:8.1f} ms  {100 * ms / result['step_ms']:5.1f}%")
             for ms, kernel in result.get("top_kernels_ms", []):

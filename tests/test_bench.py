@@ -190,7 +190,8 @@ def test_balanced_routing_gives_every_expert_its_share_in_a_training_step():
 
 def test_profiled_times_split_idle_exposed_communication_and_host_waits():
     """Two steps: compute kernels [0, 4) and [6, 9), an exchange [3, 8) (hidden 3-4 and 6-8, exposed 4-6), nothing
-    9-10, the host from 0 to 3, waiting 2 units of it in a sync. Times in µs, per step in ms."""
+    9-10, the host from 0 to 3, waiting 2 units of it: in a sync, and in a copy to host memory (which waits for the
+    work queued before it, as EP's split sizes do). Times in µs, per step in ms."""
     from types import SimpleNamespace
 
     def event(name, start, end, device):
@@ -200,7 +201,8 @@ def test_profiled_times_split_idle_exposed_communication_and_host_waits():
     gpu, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     kernels = [event("nvjet_gemm", 0, 4, gpu), event("ncclDevKernel_AllToAll", 3, 8, gpu),
                event("nvjet_gemm", 6, 9, gpu), event("flash_fwd", 10, 12, gpu)]
-    events = kernels + [event("cudaStreamSynchronize", 1, 3, cpu), event("aten::mm", 0, 1, cpu)]
+    events = kernels + [event("cudaStreamSynchronize", 1, 2, cpu), event("cudaMemcpyAsync", 2, 3, cpu),
+                        event("aten::mm", 0, 1, cpu)]
     times = bench.gpu_times(kernels, steps=2) | bench.host_times(events, steps=2)
     assert times == {"gpu_idle": 0.5, "exposed_communication": 1.0, "host_sync_wait": 1.0, "host_busy": 0.5}
 
@@ -225,3 +227,36 @@ def test_one_rank_exchange_is_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("built a model"))
     with pytest.raises(bench.UserError, match="--one-rank-exchange measures EP's code path on one GPU"):
         bench.main()
+
+
+def test_a_simulated_link_needs_the_one_rank_exchange(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--config", "configs/debug.toml", "--train.device=cpu",
+                                      "--simulated-link-ms", "1"])
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("built a model"))
+    with pytest.raises(bench.UserError, match="--simulated-link-ms simulates EP's link under --one-rank-exchange"):
+        bench.main()
+
+
+@pytest.mark.gpu
+def test_the_simulated_link_delivers_the_rows_after_its_delay_and_leaves_the_stream_free_meanwhile():
+    """An exchange of token rows over the link: the rows arrive unchanged, no sooner than the delay; the stream that
+    started it runs on meanwhile (its own work is not delayed) until it waits; the counts' exchange is not delayed."""
+    from scripts.simulated_link import simulated_link
+
+    link = simulated_link(ms=5.0, sms=24, device=torch.device("cuda"))
+    rows, counts = torch.randn(4096, 512, device="cuda"), torch.arange(8, device="cuda")
+    clock = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    clock[0].record()
+    got = torch.ops._c10d_functional.all_to_all_single(rows, [4096], [4096], link.group_name)
+    clock[1].record()  # before the wait: the stream was not held
+    got = torch.ops._c10d_functional.wait_tensor(got)
+    clock[2].record()
+    got_counts = torch.ops._c10d_functional.wait_tensor(
+        torch.ops._c10d_functional.all_to_all_single(counts, [8], [8], link.group_name))
+    clock[3].record()
+    torch.cuda.synchronize()
+    assert torch.equal(got, rows) and torch.equal(got_counts, counts)
+    assert clock[0].elapsed_time(clock[1]) < 1.0
+    assert clock[0].elapsed_time(clock[2]) >= 5.0
+    assert clock[2].elapsed_time(clock[3]) < 1.0
+    assert link.calls == 1
