@@ -256,7 +256,8 @@ def test_the_simulated_link_delivers_the_rows_after_its_delay_and_leaves_the_str
     clock[3].record()
     torch.cuda.synchronize()
     assert torch.equal(got, rows) and torch.equal(got_counts, counts)
-    assert clock[0].elapsed_time(clock[1]) < 1.0
+    # held, the stream would show the 5 ms delay; what it shows is the host's first call (1.0 ms seen on an H200)
+    assert clock[0].elapsed_time(clock[1]) < 2.5
     assert clock[0].elapsed_time(clock[2]) >= 5.0
-    assert clock[2].elapsed_time(clock[3]) < 1.0
+    assert clock[2].elapsed_time(clock[3]) < 2.5
     assert link.calls == 1
