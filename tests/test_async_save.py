@@ -67,6 +67,39 @@ def test_a_background_save_waits_for_the_one_before_and_is_confirmed_once_publis
     assert checkpoint.verify(tmp_path / "step-2") is None and not checkpoint.is_confirmed(tmp_path / "step-2")
 
 
+def test_a_background_save_holds_the_weights_of_its_step_not_those_the_next_step_writes(tmp_path):
+    """The copy to host memory is complete when save returns: the optimizer step after it may change the weights."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    saved = {name: value.clone() for name, value in model.state_dict().items()}
+    checkpoint.save(tmp_path, 1, model, torch.optim.AdamW(model.parameters()), {"step": 1}, keep=2, background=True)
+    with torch.no_grad():
+        for param in model.parameters():  # in place, as the next optimizer step does
+            param.add_(1.0)
+    checkpoint.wait_for_save()
+    checkpoint.load_model(tmp_path / "step-1", model)
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in saved.items())
+
+
+def test_background_saves_copy_into_the_host_buffers_of_the_first(tmp_path, monkeypatch):
+    """A run saves many times: the host buffers (pinned on CUDA, slow to allocate) are allocated once."""
+    staged, stage = [], checkpoint._HostCopy.stage
+
+    def recording(self, state_dict):
+        staged.append(stage(self, state_dict))  # kept: freed buffers could be allocated again at the same address
+        return staged[-1]
+
+    monkeypatch.setattr(checkpoint._HostCopy, "stage", recording)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for step in (1, 2, 3):
+        checkpoint.save(tmp_path, step, model, optimizer, {"step": step}, keep=2, background=True)
+    checkpoint.wait_for_save()
+    buffers = [sorted(t.data_ptr() for t in state["model"].values()) for state in staged]
+    assert buffers[0] == buffers[1] == buffers[2]
+
+
 _SLOW_SAVE = """
 import sys, time
 from pathlib import Path
