@@ -154,9 +154,12 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
     group = _background_group()
     if not dist.is_initialized():  # DCP's own thread warns as dcp_call filters it (warning filters are global)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+    # the staged tensors are in host memory already: DCP's default loader would, from the writer thread, wait for the
+    # device's default stream (the training's) every 10 MB
+    writer = dcp.FileSystemWriter(str(tmp), per_thread_copy_ahead=0)
     with _removed_when_failed(run_dir, tmp):
         with dcp_call():  # stages the device-to-host copy now, then writes in DCP's thread
-            written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group, async_stager=_stager())
+            written = dcp.async_save(state, storage_writer=writer, process_group=group, async_stager=_stager())
     rng = {name: value.clone() for name, value in _rng_state().items()}  # this step's streams, not the next ones'
 
     def write_and_publish() -> None:

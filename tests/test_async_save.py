@@ -100,6 +100,15 @@ def test_background_saves_copy_into_the_host_buffers_of_the_first(tmp_path, monk
     assert buffers[0] == buffers[1] == buffers[2]
 
 
+def test_the_background_write_never_waits_for_the_device(tmp_path, monkeypatch):
+    """The staged tensors are host memory: DCP's default loader would copy them again and, from the writer thread,
+    sync the training's stream every 10 MB (on a CPU build, any use of CUDA fails)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _save_linear(tmp_path, 1, background=True)
+    checkpoint.wait_for_save()
+    assert checkpoint.verify(tmp_path / "step-1") is None
+
+
 _SLOW_SAVE = """
 import sys, time
 from pathlib import Path
