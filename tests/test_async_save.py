@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import free_port, leave_process_group, read_metrics, torchrun_env
@@ -162,13 +163,17 @@ def test_two_ranks_save_in_the_background_as_they_do_blocking(data, tmp_path):
         assert checkpoint.verify(saved) is None and _crcs(saved) == _crcs(tmp_path / "blocking" / f"step-{step}")
 
 
-def test_the_save_benchmark_reports_both_stalls_in_one_run(data, tmp_path):
+def test_the_save_benchmark_trains_through_each_write_and_reports_every_stall(data, tmp_path):
     """scripts/bench_save.py, the measurement of docs/training.md#checkpoints-that-do-not-stop-training, on CPU."""
     ended = subprocess.run([sys.executable, "scripts/bench_save.py", "--config", "configs/debug.toml",
                             "--model.n_layers=2", "--train.seq_len=32", "--train.global_batch=4",
-                            "--train.micro_batch=2", "--steps", "6", "--warmup", "1", "--dir", str(tmp_path / "bs")],
-                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+                            "--train.micro_batch=2", "--warmup", "1", "--quiet-steps", "2", "--saves", "2",
+                            "--dir", str(tmp_path / "bs")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert ended.returncode == 0, ended.stderr
     report = json.loads(ended.stdout.splitlines()[-1])
-    assert report["blocking_stall_s"] > 0 and report["background_stall_s"] > 0 and report["checkpoint_gb"] > 0
+    assert report["blocking_stall_s"] > 0 and report["checkpoint_gb"] > 0 and len(report["background"]) == 2
+    for save in report["background"]:
+        assert save["call_s"] > 0 and save["write_s"] > 0 and save["steps"] >= 0
+        assert save["stall_s"] == pytest.approx(save["call_s"] + save["steps_excess_s"] + save["publish_s"], abs=2e-3)
+    assert report["background_bytes_as_blocking"] is True
     assert not (tmp_path / "bs").exists()
