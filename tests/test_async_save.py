@@ -31,10 +31,13 @@ def _crcs(path: Path) -> dict[str, int]:
     return {name: entry["crc32"] for name, entry in files.items() if name.endswith((".distcp", ".pt"))}
 
 
-def test_async_saves_give_the_blocking_saves_losses_and_checkpoints(data, tmp_path):
+def test_async_saves_give_the_losses_of_no_saves_and_the_blocking_saves_checkpoints(data, tmp_path):
+    unsaved = read_metrics_of(tmp_path / "unsaved", "--checkpoint.every=0")
     blocking = read_metrics_of(tmp_path / "blocking")
     background = read_metrics_of(tmp_path / "background", "--checkpoint.async_save=true")
-    assert [row["loss"] for row in background.values()] == [row["loss"] for row in blocking.values()]
+    losses = [row["loss"] for row in unsaved.values()]
+    assert len(losses) == 6 and [row["loss"] for row in background.values()] == losses
+    assert [row["loss"] for row in blocking.values()] == losses
     for step in (4, 6):
         assert _crcs(tmp_path / "background" / f"step-{step}") == _crcs(tmp_path / "blocking" / f"step-{step}")
     assert [p.name for p in checkpoint.checkpoints(tmp_path / "background")] == ["step-4", "step-6"]
