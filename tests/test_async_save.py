@@ -31,6 +31,7 @@ def _crcs(path: Path) -> dict[str, int]:
     return {name: entry["crc32"] for name, entry in files.items() if name.endswith((".distcp", ".pt"))}
 
 
+@pytest.mark.slow
 def test_async_saves_give_the_losses_of_no_saves_and_the_blocking_saves_checkpoints(data, tmp_path):
     unsaved = read_metrics_of(tmp_path / "unsaved", "--checkpoint.every=0")
     blocking = read_metrics_of(tmp_path / "blocking")
@@ -130,6 +131,7 @@ train.main(sys.argv[2:])
 """
 
 
+@pytest.mark.slow
 def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint_for_resume(data, tmp_path):
     run_dir, marker = tmp_path / "run", tmp_path / "writing"
     args = [*ARGS, f"--checkpoint.dir={run_dir}", "--checkpoint.async_save=true"]
@@ -153,6 +155,7 @@ def _rank_main(rank: int, world: int, port: int, argv: list[str]) -> None:
     leave_process_group()
 
 
+@pytest.mark.slow
 def test_two_ranks_save_in_the_background_as_they_do_blocking(data, tmp_path):
     """FSDP's sharded state staged by DCP on every rank; the write's collectives on a gloo group of their own."""
     for name, overrides in (("blocking", []), ("background", ["--checkpoint.async_save=true"])):
@@ -166,6 +169,7 @@ def test_two_ranks_save_in_the_background_as_they_do_blocking(data, tmp_path):
         assert checkpoint.verify(saved) is None and _crcs(saved) == _crcs(tmp_path / "blocking" / f"step-{step}")
 
 
+@pytest.mark.slow
 def test_the_save_benchmark_trains_through_each_write_and_reports_every_stall(data, tmp_path):
     """scripts/bench_save.py, the measurement of docs/training.md#checkpoints-that-do-not-stop-training, on CPU."""
     ended = subprocess.run([sys.executable, "scripts/bench_save.py", "--config", "configs/debug.toml",
