@@ -39,10 +39,11 @@ from torch import (
     _weights_only_unpickler,  # what torch.load(weights_only=True) unpickles with
     nn,
 )
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager  # what DCP's DefaultStager copies with
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -153,9 +154,12 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
     group = _background_group()
     if not dist.is_initialized():  # DCP's own thread warns as dcp_call filters it (warning filters are global)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+    # the staged tensors are in host memory already: DCP's default loader would, from the writer thread, wait for the
+    # device's default stream (the training's) every 10 MB
+    writer = dcp.FileSystemWriter(str(tmp), per_thread_copy_ahead=0)
     with _removed_when_failed(run_dir, tmp):
         with dcp_call():  # stages the device-to-host copy now, then writes in DCP's thread
-            written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group, async_stager=_stager())
+            written = dcp.async_save(state, storage_writer=writer, process_group=group, async_stager=_stager())
     rng = {name: value.clone() for name, value in _rng_state().items()}  # this step's streams, not the next ones'
 
     def write_and_publish() -> None:
@@ -186,7 +190,7 @@ class _Save:
 
 _in_flight: _Save | None = None
 _group: Any = None  # gloo group of every rank for the background save's collectives, apart from training's
-_staging: Any = None  # DCP's stager, its (pinned, on CUDA) host buffers kept from one save to the next
+_staging: _HostCopy | None = None  # its host buffers kept from one save to the next
 
 
 def _background_group() -> Any:
@@ -196,12 +200,28 @@ def _background_group() -> Any:
     return _group
 
 
-def _stager() -> Any:
+class _HostCopy(AsyncStager):
+    """The background save's copy to host memory, complete when `stage` returns (the next optimizer step may change
+    the weights): non-blocking copies, one device sync, into host buffers pinned on CUDA, allocated by the first save
+    and reused by every later one. # torch 2.11: its DefaultStager drops them after every save (2.13 keeps them)."""
+
+    _synchronize_after_execute = False  # nothing left to wait for once `stage` returned
+
+    def __init__(self) -> None:
+        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.copier = StateDictStager(pin_memory=self.cuda, share_memory=False)
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        staged = self.copier.stage(state_dict, non_blocking=self.cuda)
+        if self.cuda:
+            torch.cuda.synchronize()
+        return staged
+
+
+def _stager() -> _HostCopy:
     global _staging
     if _staging is None:
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        _staging = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                use_async_staging=False, use_non_blocking_copy=False))
+        _staging = _HostCopy()
     return _staging
 
 

@@ -1,11 +1,15 @@
-"""The step time a checkpoint costs, blocking and in the background, in one run:
-`python scripts/bench_save.py --config configs/16b_4layer.toml [--steps 12] [--dir runs/bench_save]
+"""What a checkpoint costs the training, blocking and in the background, in one run:
+`python scripts/bench_save.py --config configs/16b_4layer.toml [--saves 2] [--write-limit 300] [--dir DIR]
 [--section.key=value ...]`.
 
-Trains on random tokens; after `--warmup` steps, step `--steps` // 3 is followed by a blocking save and step
-2 × `--steps` // 3 by a background one (checkpoint.async_save). The stall is what the save adds to training: for the
-blocking save its own time; for the background one the time of its call (the copy to host memory) plus what every
-step adds over the median step until its write is published. Prints one JSON object; the checkpoints are removed.
+Trains on random tokens: `--warmup` steps, then `--quiet-steps` timed ones (their median is the step's time), then a
+blocking save, then `--saves` background saves (checkpoint.async_save), each followed by training steps until its
+write is published, as a run goes on training. A blocking save stalls the training for its whole time; a background
+one for its call (the copy to host memory), what the steps during its write took beyond the quiet median, and its
+publication on the training thread (rotation). The first background save allocates the host buffers, the later
+ones reuse them: the steady state of a run that saves many times. The first background save is of the blocking
+one's step, and its files must hold the same bytes. At most two checkpoints are on disk at a time; all are removed
+at the end. Prints a line per save on stderr, then one JSON object.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,9 +37,14 @@ from dsv3.config import load_config, run_main  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
-    parser.add_argument("--steps", type=int, default=12, help="timed steps (the saves after a third and two thirds)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--dir", default="runs/bench_save", help="where the two checkpoints are written, then removed")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
+    parser.add_argument("--quiet-steps", type=int, default=10, help="timed steps with no save: the step's median")
+    parser.add_argument("--saves", type=int, default=2, help="background saves, one after the other (at least 2: "
+                                                             "the first allocates the host buffers)")
+    parser.add_argument("--write-limit", type=float, default=300.0,
+                        help="seconds of training per background write; a write still going then is waited for, "
+                             "and that wait counted in its stall")
+    parser.add_argument("--dir", default="runs/bench_save", help="where the checkpoints are written, then removed")
     args, overrides = parser.parse_known_args()
     cfg = load_config(args.config, overrides)
     mcfg, t = cfg.model_config(), cfg.train
@@ -43,50 +54,77 @@ def main() -> None:
     optimizer = train.build_optimizer(model, t, device, copies)
     generator = torch.Generator().manual_seed(rank)
     run_dir = Path(args.dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    step_no = 0
 
-    def step(i: int) -> float:
+    def step() -> float:
+        nonlocal step_no
+        step_no += 1
         batch = torch.randint(0, mcfg.vocab_size, (t.global_batch // world, t.seq_len + 1), generator=generator)
         start = time.perf_counter()
-        values, _ = train.train_step(model, optimizer, parallel.to_device(batch, device), t, i)
+        values, _ = train.train_step(model, optimizer, parallel.to_device(batch, device), t, step_no)
         values.tolist()  # the host waits for the step, as train.py's log steps do
         return time.perf_counter() - start
 
-    def save(i: int, background: bool) -> float:
+    def say(line: str) -> None:
+        if rank == 0:
+            print(line, file=sys.stderr, flush=True)
+
+    def timed(action: Callable[[], object]) -> float:
         start = time.perf_counter()
-        checkpoint.save(run_dir / ("background" if background else "blocking"), i, model, optimizer, {"step": i},
-                        keep=1, background=background)
+        action()
         return time.perf_counter() - start
 
-    for i in range(1, args.warmup + 1):
-        step(i)
-    blocking_at, background_at = args.steps // 3, 2 * args.steps // 3
-    times, blocking_s, background_call_s, writing = [], 0.0, 0.0, []
-    for i in range(args.warmup + 1, args.warmup + args.steps + 1):
-        times.append(step(i))
-        if checkpoint._in_flight is not None:
-            writing.append(len(times) - 1)  # this step ran while the background write went on
-            if not checkpoint._in_flight.thread.is_alive():
-                checkpoint.wait_for_save()
-        if i == args.warmup + blocking_at:
-            blocking_s = save(i, background=False)
-            shutil.rmtree(run_dir / "blocking", ignore_errors=True)  # the disk holds one 16B checkpoint at a time
-        elif i == args.warmup + background_at:
-            background_call_s = save(i, background=True)
-    waited = time.perf_counter()
-    checkpoint.wait_for_save()
-    waited = time.perf_counter() - waited
-    quiet = [s for k, s in enumerate(times) if k not in writing]
-    median = statistics.median(quiet)
-    background_s = background_call_s + sum(max(0.0, times[k] - median) for k in writing) + waited
-    bytes_saved = sum(f.stat().st_size for f in (run_dir / "background").rglob("*") if f.is_file())
-    shutil.rmtree(run_dir, ignore_errors=True)
+    def still_writing(since: float) -> bool:
+        """Every rank alike: go on training while any rank's write goes on, within the limit."""
+        writing = torch.tensor([float(checkpoint._in_flight.thread.is_alive()
+                                      and time.perf_counter() - since < args.write_limit)], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(writing, op=dist.ReduceOp.MAX)
+        return bool(writing.item())
+
+    for _ in range(args.warmup):
+        step()
+    median = statistics.median(step() for _ in range(args.quiet_steps))
+    say(f"quiet step {median:.4f} s")
+    blocking = run_dir / "blocking" / f"step-{step_no}"
+    blocking_s = timed(lambda: checkpoint.save(blocking.parent, step_no, model, optimizer, {"step": step_no}, keep=1))
+    checkpoint_gb = sum(f.stat().st_size for f in blocking.rglob("*") if f.is_file()) / 1e9
+    say(f"blocking save {blocking_s:.1f} s ({checkpoint_gb:.1f} GB)")
+    saves, same_bytes = [], None
+    for k in range(args.saves):
+        call_s = timed(lambda: checkpoint.save(run_dir / "background", step_no, model, optimizer, {"step": step_no},
+                                               keep=1, background=True))
+        since, during = time.perf_counter(), []
+        while still_writing(since):
+            during.append(step())
+        write_s = time.perf_counter() - since  # to within a step
+        publish_s = timed(checkpoint.wait_for_save)  # what a limited write left, the rotation of the older one
+        excess_s = sum(during) - len(during) * median
+        saves.append({"call_s": round(call_s, 3), "write_s": round(write_s, 1), "steps": len(during),
+                      "steps_excess_s": round(excess_s, 3), "publish_s": round(publish_s, 3),
+                      "stall_s": round(call_s + excess_s + publish_s, 3)})
+        say(f"background save {k + 1}: {saves[-1]}")
+        if k == 0:  # the blocking save's step, saved again from the host copy
+            same_bytes = _tensor_crcs(blocking) == _tensor_crcs(checkpoint.checkpoints(run_dir / "background")[-1])
+            checkpoint.barrier()
+            if rank == 0:
+                shutil.rmtree(blocking.parent, ignore_errors=True)
+    checkpoint.barrier()
     if rank == 0:
-        print(json.dumps({"config": args.config, "checkpoint_gb": round(bytes_saved / 1e9, 2),
-                          "step_s": round(median, 4), "blocking_stall_s": round(blocking_s, 3),
-                          "background_stall_s": round(background_s, 3),
-                          "background_call_s": round(background_call_s, 3),
-                          "steps_during_write": len(writing), "waited_at_end_s": round(waited, 3),
-                          "background_over_blocking": round(background_s / blocking_s, 3)}), flush=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        first, steady = saves[0]["stall_s"], saves[-1]["stall_s"]
+        print(json.dumps({"config": args.config, "checkpoint_gb": round(checkpoint_gb, 2), "step_s": round(median, 4),
+                          "blocking_stall_s": round(blocking_s, 3), "background": saves,
+                          "first_over_blocking": round(first / blocking_s, 3),
+                          "steady_over_blocking": round(steady / blocking_s, 3),
+                          "background_bytes_as_blocking": same_bytes}), flush=True)
+
+
+def _tensor_crcs(path: Path) -> dict[str, int]:
+    """The manifest's checksums of the tensors and RNG streams (.metadata and train.json name their directory)."""
+    files = json.loads((path / checkpoint.MANIFEST).read_text())["files"]
+    return {name: entry["crc32"] for name, entry in files.items() if name.endswith((".distcp", ".pt"))}
 
 
 if __name__ == "__main__":

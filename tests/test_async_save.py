@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import free_port, leave_process_group, read_metrics, torchrun_env
@@ -30,10 +31,14 @@ def _crcs(path: Path) -> dict[str, int]:
     return {name: entry["crc32"] for name, entry in files.items() if name.endswith((".distcp", ".pt"))}
 
 
-def test_async_saves_give_the_blocking_saves_losses_and_checkpoints(data, tmp_path):
+@pytest.mark.slow
+def test_async_saves_give_the_losses_of_no_saves_and_the_blocking_saves_checkpoints(data, tmp_path):
+    unsaved = read_metrics_of(tmp_path / "unsaved", "--checkpoint.every=0")
     blocking = read_metrics_of(tmp_path / "blocking")
     background = read_metrics_of(tmp_path / "background", "--checkpoint.async_save=true")
-    assert [row["loss"] for row in background.values()] == [row["loss"] for row in blocking.values()]
+    losses = [row["loss"] for row in unsaved.values()]
+    assert len(losses) == 6 and [row["loss"] for row in background.values()] == losses
+    assert [row["loss"] for row in blocking.values()] == losses
     for step in (4, 6):
         assert _crcs(tmp_path / "background" / f"step-{step}") == _crcs(tmp_path / "blocking" / f"step-{step}")
     assert [p.name for p in checkpoint.checkpoints(tmp_path / "background")] == ["step-4", "step-6"]
@@ -67,6 +72,48 @@ def test_a_background_save_waits_for_the_one_before_and_is_confirmed_once_publis
     assert checkpoint.verify(tmp_path / "step-2") is None and not checkpoint.is_confirmed(tmp_path / "step-2")
 
 
+def test_a_background_save_holds_the_weights_of_its_step_not_those_the_next_step_writes(tmp_path):
+    """The copy to host memory is complete when save returns: the optimizer step after it may change the weights."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    saved = {name: value.clone() for name, value in model.state_dict().items()}
+    checkpoint.save(tmp_path, 1, model, torch.optim.AdamW(model.parameters()), {"step": 1}, keep=2, background=True)
+    with torch.no_grad():
+        for param in model.parameters():  # in place, as the next optimizer step does
+            param.add_(1.0)
+    checkpoint.wait_for_save()
+    checkpoint.load_model(tmp_path / "step-1", model)
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in saved.items())
+
+
+def test_background_saves_copy_into_the_host_buffers_of_the_first(tmp_path, monkeypatch):
+    """A run saves many times: the host buffers (pinned on CUDA, slow to allocate) are allocated once."""
+    staged, stage = [], checkpoint._HostCopy.stage
+
+    def recording(self, state_dict):
+        staged.append(stage(self, state_dict))  # kept: freed buffers could be allocated again at the same address
+        return staged[-1]
+
+    monkeypatch.setattr(checkpoint._HostCopy, "stage", recording)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for step in (1, 2, 3):
+        checkpoint.save(tmp_path, step, model, optimizer, {"step": step}, keep=2, background=True)
+    checkpoint.wait_for_save()
+    buffers = [sorted(t.data_ptr() for t in state["model"].values()) for state in staged]
+    assert buffers[0] == buffers[1] == buffers[2]
+
+
+def test_the_background_write_never_waits_for_the_device(tmp_path, monkeypatch):
+    """The staged tensors are host memory: DCP's default loader would copy them again and, from the writer thread,
+    sync the training's stream every 10 MB (on a CPU build, any use of CUDA fails)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _save_linear(tmp_path, 1, background=True)
+    checkpoint.wait_for_save()
+    assert checkpoint.verify(tmp_path / "step-1") is None
+
+
 _SLOW_SAVE = """
 import sys, time
 from pathlib import Path
@@ -84,6 +131,7 @@ train.main(sys.argv[2:])
 """
 
 
+@pytest.mark.slow
 def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint_for_resume(data, tmp_path):
     run_dir, marker = tmp_path / "run", tmp_path / "writing"
     args = [*ARGS, f"--checkpoint.dir={run_dir}", "--checkpoint.async_save=true"]
@@ -107,6 +155,7 @@ def _rank_main(rank: int, world: int, port: int, argv: list[str]) -> None:
     leave_process_group()
 
 
+@pytest.mark.slow
 def test_two_ranks_save_in_the_background_as_they_do_blocking(data, tmp_path):
     """FSDP's sharded state staged by DCP on every rank; the write's collectives on a gloo group of their own."""
     for name, overrides in (("blocking", []), ("background", ["--checkpoint.async_save=true"])):
@@ -120,13 +169,18 @@ def test_two_ranks_save_in_the_background_as_they_do_blocking(data, tmp_path):
         assert checkpoint.verify(saved) is None and _crcs(saved) == _crcs(tmp_path / "blocking" / f"step-{step}")
 
 
-def test_the_save_benchmark_reports_both_stalls_in_one_run(data, tmp_path):
+@pytest.mark.slow
+def test_the_save_benchmark_trains_through_each_write_and_reports_every_stall(data, tmp_path):
     """scripts/bench_save.py, the measurement of docs/training.md#checkpoints-that-do-not-stop-training, on CPU."""
     ended = subprocess.run([sys.executable, "scripts/bench_save.py", "--config", "configs/debug.toml",
                             "--model.n_layers=2", "--train.seq_len=32", "--train.global_batch=4",
-                            "--train.micro_batch=2", "--steps", "6", "--warmup", "1", "--dir", str(tmp_path / "bs")],
-                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+                            "--train.micro_batch=2", "--warmup", "1", "--quiet-steps", "2", "--saves", "2",
+                            "--dir", str(tmp_path / "bs")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert ended.returncode == 0, ended.stderr
     report = json.loads(ended.stdout.splitlines()[-1])
-    assert report["blocking_stall_s"] > 0 and report["background_stall_s"] > 0 and report["checkpoint_gb"] > 0
+    assert report["blocking_stall_s"] > 0 and report["checkpoint_gb"] > 0 and len(report["background"]) == 2
+    for save in report["background"]:
+        assert save["call_s"] > 0 and save["write_s"] > 0 and save["steps"] >= 0
+        assert save["stall_s"] == pytest.approx(save["call_s"] + save["steps_excess_s"] + save["publish_s"], abs=2e-3)
+    assert report["background_bytes_as_blocking"] is True
     assert not (tmp_path / "bs").exists()
