@@ -509,10 +509,9 @@ def resume_record(cfg: Config) -> dict[str, Any]:
 
 
 def resume_changes(saved: dict[str, Any], cfg: Config) -> list[str]:
-    """The run saved in a checkpoint (`resume_record`) against this one, before anything is built: a difference
-    that would drop, reshape or reinterpret saved state (any model field but init_std, the data sources,
-    _RESUME_FIXED) is a UserError naming the key, the saved value and the fix; the safe ones come back, one line
-    each."""
+    """The run saved in a checkpoint (`resume_record`) against this one, before anything is built: a difference that
+    would drop, reshape or reinterpret saved state (a model field but init_std, the data sources, _RESUME_FIXED) is a
+    UserError naming the key, the saved value and the fix; the safe ones come back, one line each."""
     now = resume_record(cfg)
 
     def refuse(key: str, was: Any, fix: str) -> UserError:

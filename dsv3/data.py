@@ -129,10 +129,9 @@ def host_memory_available() -> int:
 
 def check_host_memory(global_batch: int, micro_batch: int, seq_len: int, world: int, vocab_size: int, dim: int,
                       n_layers: int) -> None:
-    """On CPU, refuse before anything is allocated a batch the host cannot hold: this rank's rows of the global
-    batch (int64, twice: numpy and its tensor), and a micro-batch's activations, at least its logits (fp32, three
-    copies: logits, softmax, gradient) and ~20 fp32 tensors of width dim per layer. A lower bound: what it refuses
-    cannot run; without it the OOM killer ends the run with no word."""
+    """On CPU, refuse before anything is allocated a batch the host cannot hold, which the OOM killer would end with
+    no word. A lower bound: this rank's rows of the global batch (int64, in numpy and a tensor) and a micro-batch's
+    fp32 logits (three copies: logits, softmax, gradient) and ~20 fp32 tensors of width dim per layer."""
     rows = global_batch // max(world, 1) * (seq_len + 1) * 8 * 2
     activations = micro_batch * seq_len * 4 * (3 * vocab_size + 20 * dim * n_layers)
     available = host_memory_available()
@@ -148,12 +147,9 @@ _FEISTEL_ROUNDS = 6
 
 
 def shuffled_index(index: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
-    """π(index) for a pseudo-random permutation π of [0, n) chosen by (seed, epoch), in O(len(index)) time and
-    memory whatever n is: no permutation of n entries is ever built (a 14.8T-token corpus holds ~3.6e9 sequences).
-
-    π is a balanced Feistel network over the 2k-bit integers, 2^2k ≥ n (a bijection whatever its round function),
-    restricted to [0, n) by cycle-walking: an image ≥ n is encrypted again until it lands in [0, n), which keeps
-    a bijection of [0, n) and takes fewer than 4 encryptions per index on average, as 2^2k < 4n."""
+    """π(index) for a pseudo-random permutation π of [0, n) chosen by (seed, epoch), in O(len(index)) time and memory
+    whatever n is, since a 14.8T-token corpus holds ~3.6e9 sequences: a balanced Feistel network over 2k-bit
+    integers, 2^2k ≥ n, restricted to [0, n) by cycle-walking (docs/data.md#layout)."""
     half_bits = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
     mask = np.uint64((1 << half_bits) - 1)
     shift = np.uint64(half_bits)
@@ -186,11 +182,9 @@ def _local_rows(global_batch: int, world_size: int) -> int:
 
 
 class PackedLoader:
-    """Fixed-length sequences from the packed token stream, in a seeded global order.
-
-    The position (`sequences_consumed`) counts sequences of the global order, so a state saved at one
-    world size resumes at another with the same global batches; each rank takes its contiguous rows.
-    """
+    """Fixed-length sequences from the packed token stream, in a seeded global order. The position
+    (`sequences_consumed`) counts sequences of the global order, so a state saved at one world size resumes at
+    another with the same global batches; each rank takes its contiguous rows."""
 
     def __init__(
         self,
@@ -309,12 +303,9 @@ _WEYL_STEP = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / φ, odd
 
 
 class MixtureLoader:
-    """Sequences from several token datasets mixed by weight, in one seeded global order.
-
-    Each source is a PackedLoader with its own position and epochs (a small source re-epochs on its own); the
-    mixture decides which source fills each place of the global order, so batches are the same at every world
-    size. A single dataset is a mixture of one and reads exactly as its PackedLoader would.
-    """
+    """Sequences from several token datasets mixed by weight, in one seeded global order that is the same at every
+    world size: the mixture picks the source of each place, each source a PackedLoader with its own position and
+    epochs. A single dataset is a mixture of one and reads exactly as its PackedLoader would."""
 
     def __init__(self, sources: list[tuple[str, str, float]], split: str, seq_len: int, rank: int = 0,
                  world_size: int = 1, seed: int = 0, shuffle: bool = True):

@@ -80,11 +80,9 @@ def run_summary(run_dir: str, last_checkpoint: str | None, export_dir: str | Non
 
 def expert_load_stats(tokens_per_expert: torch.Tensor,
                       expert_biases: list[torch.Tensor] | torch.Tensor) -> dict[str, float]:
-    """Load balance and expert-bias stats per MoE layer.
-
-    tokens_per_expert [L, E] (rows in `Transformer.routers()` order: dense layers skipped, MTP blocks last;
-    layer{i} names the row), expert_biases one [E] per row or [L, E]. max/mean load is 1.0 when perfectly
-    balanced; `moe/load_max_over_mean` is the worst layer. bias_std is the population std."""
+    """Load balance and expert-bias stats per MoE layer: tokens_per_expert [L, E] in `Transformer.routers()` order
+    (MTP blocks last; layer{i} names row i), expert_biases one [E] per row or [L, E]. max/mean load is 1.0 when
+    perfectly balanced, `moe/load_max_over_mean` the worst layer's; bias_std is the population std."""
     if tokens_per_expert.numel() == 0:  # no MoE layers
         return {}
     load = tokens_per_expert.detach().float().cpu()  # [L, E]
@@ -185,12 +183,9 @@ def _rewind(path: str, start_step: int) -> float:
 
 
 class MetricsLogger:
-    """Appends one JSON line per `log` to run_dir/metrics.jsonl, prints one console line, logs to W&B
-    when use_wandb. enabled=False (non-zero ranks) makes every method a no-op.
-
-    metrics.jsonl is first rewound to `start_step` (a resumed run drops the rows it is about to redo); every row
-    carries `time` (Unix seconds) and `elapsed_s` (wall time since the run's first row, across resumes). The ETA
-    uses the average step rate since the first `log` call, so the first call shows none."""
+    """Appends one JSON line per `log` to run_dir/metrics.jsonl, first rewound to `start_step` (a resumed run redoes
+    those rows), prints a console line and logs to W&B when use_wandb; enabled=False (non-zero ranks): a no-op. Rows
+    carry `time` (Unix s) and `elapsed_s` (across resumes); the ETA is the step rate since the first `log`."""
 
     def __init__(self, run_dir: str, config: dict, enabled: bool = True, use_wandb: bool = False,
                  project: str = "dsv3", run_name: str = "", total_steps: int | None = None, start_step: int = 0):

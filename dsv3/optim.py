@@ -58,10 +58,9 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                  step_size: torch.Tensor, decay: torch.Tensor, beta1: float, beta2: float, eps: float,
                  bias_correction2_sqrt: torch.Tensor, grad_scale: torch.Tensor, seed: torch.Tensor, salt: torch.Tensor,
                  compute_copy: torch.Tensor | None = None) -> None:
-    """One AdamW step of one tensor, in place; fp32 math whatever the moments' dtype. The step's scalars are fp32
-    tensors made on the host (`AdamW.step`): step_size = lr/(1−β1ᵗ), decay = 1 − lr·λ, √(1−β2ᵗ). `seed` varies the
-    stochastic rounding from step to step, `salt` (`rounding_salt`) from tensor to tensor and shard to shard;
-    `compute_copy`, if given, receives the new θ in its dtype."""
+    """One AdamW step of one tensor, in place, in fp32 whatever the moments' dtype; the step's scalars are fp32 tensors
+    made on the host (`AdamW.step`): step_size = lr/(1−β1ᵗ), decay = 1 − lr·λ, √(1−β2ᵗ). `seed` and `salt`
+    (`rounding_salt`) seed the stochastic rounding; `compute_copy`, if given, receives the new θ in its dtype."""
     g = grad.float() * grad_scale
     m = exp_avg.float().lerp(g, 1 - beta1)
     v = torch.addcmul(exp_avg_sq.float() * beta2, g, g, value=1 - beta2)
@@ -87,9 +86,8 @@ _COMPILED_VARIANTS = 64
 
 class ComputeCopies:
     """FSDP2's mixed precision for the parameters FSDP does not shard (one rank: all; ep == world: the routed experts):
-    inside `active()` the model computes with `dtype` copies, written by the optimizer's update; outside it holds the
-    fp32 parameters, so nothing moves but the math. Write parameters in place under `torch.no_grad()`, never through
-    `p.data`; how copies are remade, own forms and accumulation: docs/training.md#compute-copies."""
+    inside `active()` the model computes with `dtype` copies the optimizer's update writes, outside it holds its fp32
+    parameters. Write those in place under `torch.no_grad()`, never via `p.data` (docs/training.md#compute-copies)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype,
                  own_copy: Callable[[nn.Module, str, nn.Parameter], Any] | None = None,

@@ -170,12 +170,9 @@ class Tensor:
 
 
 class _Timeline:
-    """The phases of one optimizer step, in order, and where each block's forward and backward fall in it.
-
-    Per micro-batch: the forward of blocks 0..L-1, the main loss, then each MTP depth's block and loss; the backward
-    from the last block to the first, each block's followed by its gradients' hand-over (FSDP2's reduce-scatter
-    copy-in, or the fold into fp32 accumulators); the embedding's backward, which ends it. Then the optimizer step.
-    Micro-batches after the first hold the same tensors as each other: one set of phases stands for them all."""
+    """The phases of one optimizer step in order: per micro-batch the blocks' forwards, the losses, the backwards from
+    the last block, each followed by its gradients' hand-over, and the embedding's; then the optimizer step. The
+    micro-batches after the first hold the same tensors: one set of phases stands for them all."""
 
     def __init__(self, n_layers: int, n_mtp: int, micro_batches: int):
         self.n_layers, self.n_blocks = n_layers, n_layers + n_mtp
@@ -271,12 +268,9 @@ def _add_state(add: _Add, cfg: Config, gpus: int, tl: _Timeline, s: _Shares) -> 
 
 
 def _add_compute_weights(add: _Add, cfg: Config, gpus: int, tl: _Timeline, s: _Shares) -> None:
-    """bf16 compute weights: on one GPU, copies of every weight (dsv3.optim.ComputeCopies), kept across steps. Under
-    FSDP2, the root (embedding, head) unsharded from its forward to the end of its backward; a block unsharded from
-    the previous block's forward (prefetch) through its own, and from the next block's backward through its own.
-    Its routed experts are an FSDP unit of their own: at ep 1 gathered as early (the host runs ahead); under EP
-    only when they run, the host having waited for the split sizes (parallel.apply_fsdp prefetches the blocks'
-    own units); on a one-rank mesh (ep = GPUs) cast in forward and not resharded until their backward ends."""
+    """bf16 compute weights: on one GPU the compute copies, kept across steps; under FSDP2 the root through its forward
+    and backward, each block from the previous block's forward and from the next one's backward through its own,
+    and its routed experts as docs/planning.md#what-it-counts says."""
     ep, n, line = cfg.parallel.ep, tl.n_blocks, "bf16 compute weights"
     if gpus == 1:
         add(line, "bf16 copies of every weight", 2 * s.total, 0, tl.step)
@@ -296,10 +290,9 @@ def _add_compute_weights(add: _Add, cfg: Config, gpus: int, tl: _Timeline, s: _S
 
 
 def _add_one_gpu_gradients(add: _Add, tl: _Timeline, s: _Shares) -> None:
-    """One GPU: with one micro-batch, bf16 gradients on the compute copies, read by the optimizer step; with several,
-    each bf16 gradient folded into fp32 accumulators (p.grad) as soon as autograd writes it. Blocks run backward
-    from the last; the root's head gradient arrives with the first (the chunked loss computed it in forward), its
-    embedding gradient at the end."""
+    """One GPU: bf16 gradients on the compute copies (one micro-batch) or fp32 accumulators that each folds into as
+    autograd writes it (several), block by block from the last; the head's gradient comes with the first block's (the
+    chunked loss makes it in forward), the embedding's at the end."""
     n, kinds, step = tl.n_blocks, range(len(tl.forward)), tl.step
     rest = s.root - s.embedding
     if len(kinds) == 1:
@@ -481,11 +474,9 @@ def _head_and_loss_s(cfg: Config, gpus: int, kind: GPU) -> float:
 
 
 def _fsdp_exposed_s(cfg: Config, gpus: int, kind: GPU, blocks: _BlockTimes, reduce: bool) -> float:
-    """FSDP2 per micro-batch: the root's and block 0's all-gathers open the forward, exposed; block b+1's all-gather
-    runs behind block b's forward. The first backward block is gathered again, exposed; then block b−1's
-    all-gather and block b+1's reduce-scatter run behind block b's backward; block 0's and the root's
-    reduce-scatters close it, exposed. Experts gathered only when they run (EP, see _add_compute_weights) are
-    exposed. A micro-batch that does not reduce (accumulate_unsharded_grads) moves no reduce-scatter."""
+    """FSDP2's collectives per micro-batch not hidden behind a neighbour block's compute: the forward's first
+    all-gathers (root, block 0), the first backward block's again, the last reduce-scatters (block 0, root) and under
+    EP the experts' all-gathers. A micro-batch that does not reduce moves no reduce-scatter (docs/planning.md)."""
     if gpus == 1:
         return 0.0
     link = (kind.nvlink_gb_s if gpus <= kind.gpus_per_node else INFINIBAND_GB_S) * 1e9 * COLLECTIVE_EFFICIENCY
@@ -514,15 +505,14 @@ def _ep_exchange_s(cfg: Config, kind: GPU) -> float:
 
 def _optimizer_s(cfg: Config, gpus: int, kind: GPU, micro_batches: int) -> tuple[float, float]:
     """The optimizer step and (one GPU, several micro-batches) the gradients' folds into fp32 accumulators, both
-    streams over HBM. AdamW reads the parameter, gradient and moments and writes parameter and moments (one GPU:
-    and the bf16 copy); the gradient is bf16 on one GPU with one micro-batch, else fp32. The first micro-batch
-    writes each accumulator (2 + 4 bytes), every later one reads and writes it too (2 + 8)."""
+    streams over HBM: AdamW reads θ, the gradient and the moments and writes θ and the moments (one GPU: and the
+    bf16 copy); the first micro-batch writes each accumulator, every later one reads and writes it too."""
     params, hbm = sum(dense_and_expert_params(cfg.model_config())), kind.hbm_tb_s * 1e12
     state_bytes = {"fp32": 4, "bf16": 2}[cfg.train.optimizer_state_dtype]
     grad_bytes = 2 if gpus == 1 and micro_batches == 1 else 4
-    step_bytes = 8 + grad_bytes + 4 * state_bytes + (2 if gpus == 1 else 0)
+    step_bytes = 8 + grad_bytes + 4 * state_bytes + (2 if gpus == 1 else 0)  # θ and the moments read and written
     efficiency = OPTIMIZER_HBM_EFFICIENCY["dsv3" if gpus == 1 or state_bytes == 2 else "torch"]
-    folded_bytes = 6 + 10 * (micro_batches - 1) if gpus == 1 and micro_batches > 1 else 0
+    folded_bytes = 6 + 10 * (micro_batches - 1) if gpus == 1 and micro_batches > 1 else 0  # 2 + 4, then 2 + 8
     return (params / gpus * step_bytes / (efficiency * hbm),
             params * folded_bytes / (OPTIMIZER_HBM_EFFICIENCY["dsv3"] * hbm))
 

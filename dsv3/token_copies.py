@@ -1,7 +1,15 @@
-"""Token copies: each token's K copies, one per routed expert it chose, as rows sorted by expert for the grouped
-GEMMs (`LocalDispatcher`, `pad_order`), gathered (`gather_token_copies`) and summed back per token with the gate
-weights (`combine_token_copies`), each with a backward that gathers where autograd would scatter. The dispatchers
-(`LocalDispatcher` here, dsv3.dispatch's for expert parallelism) hand the experts `TokenCopies`.
+"""Token copies: the rows the routed experts compute on, one copy of a token per expert its router chose, sorted by
+expert for the grouped GEMMs, and the way back to the tokens. The words, used throughout:
+
+    tokens       x [T, D], token t (under expert parallelism: what this rank received)
+    slots        (t, k) = t·K + k, token t's k-th routed expert [T·K]; g_t,k its gate weight, topk_weights [T, K]
+    rows         [N, D] the copies sorted by expert, each expert's group perhaps padded to `align` (`pad_order`)
+    order        [N] the slot each row holds, −1 = a padding row (read as zeros, given no gradient)
+    row_of_slot  [T, K] its inverse: the row holding each slot (a token's K rows), −1 where no row does
+
+A dispatcher hands the experts `TokenCopies` (x and `order`); they gather the rows (`gather_token_copies`) and sum
+them back per token with the gate weights (`combine_token_copies`), both backwards gathers where autograd would
+scatter (docs/performance.md#the-routed-experts-token-copies).
 """
 
 from __future__ import annotations
@@ -38,8 +46,8 @@ class LocalDispatcher:
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  tokens_per_expert: torch.Tensor) -> tuple[TokenCopies, torch.Tensor, Any]:
-        flat_idx = topk_idx.flatten()
-        order = flat_idx.argsort(stable=True)  # token copies sorted by expert
+        flat_idx = topk_idx.flatten()  # [T·K] the expert of each slot
+        order = flat_idx.argsort(stable=True)  # [N = T·K] slots sorted by expert
         if pads_groups(self.align, x.device):
             order, tokens_per_expert = pad_order(order, flat_idx[order], tokens_per_expert, self.align)
         return TokenCopies(x, order, topk_idx.size(1), topk_weights), tokens_per_expert, None
@@ -66,25 +74,9 @@ def _empty_groups_break_grouped_mm(device: torch.device) -> bool:
 
 def pad_order(order: torch.Tensor, expert_of_row: torch.Tensor, counts: torch.Tensor, align: int,
               bucket: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`order` [N] (the slot each row holds; rows sorted by expert: expert_of_row [N], counts [E]) laid out in a
-    buffer in which every expert's group starts at a multiple of `align`, as the low-precision grouped GEMMs need,
-    and holds at least `align` rows: an expert without tokens gets zero rows, whose weight gradient is exactly zero,
-    where a group of no rows gets a non-zero one from the bf16 `_grouped_mm` on B200 (pytorch #172439). torchao pads
-    empty groups to the alignment the same way. The dispatchers pad the order, not the rows: `gather_token_copies`
-    (or the blockwise FP8 GEMM's quantization, `TokenCopies`) then fills the buffer in one gather, padding rows (−1)
-    zero.
-
-    The buffer has M = round_up(N + E·align, align) rows, the most padding E groups can need, so no count reaches
-    the host; an expert-parallel rank that received no tokens (N = 0) still runs its grouped GEMMs on real rows:
-    their backward rejects an empty input on CUDA.
-    `bucket` rounds M further up to one of 16 sizes per octave (at most 1/16 more rows), for
-    dispatchers whose N changes every step: kernels specialised or autotuned per row count then see few of them.
-    The rows after the last group (on average half the E·align rows kept for padding) belong to no expert: the
-    grouped GEMMs skip them, leaving their outputs and gradients unwritten, and nothing reads those (the combine
-    and the gather's backward take only rows that hold a slot). Given to the last expert, they would be computed:
-    about 3% more expert rows at 32 experts and align 128. (torchtitan's padded permutation ends its groups so too.)
-    Returns (the padded order [M], −1 at padding rows; padded counts [E], summing to M or less).
-    """
+    """`order` [N] (rows sorted by expert: expert_of_row [N], counts [E]) → (the `order` [M] of a buffer whose every
+    group starts at a multiple of `align` and holds at least `align` rows, as the low-precision grouped GEMMs need;
+    the padded counts [E]). M depends on N and E alone, so no count reaches the host (docs/performance.md)."""
     n_experts = counts.numel()
     size = order.numel() + n_experts * align
     size = _bucketed(size, align) if bucket else -(-size // align) * align
@@ -104,36 +96,31 @@ def _bucketed(size: int, align: int) -> int:
 
 
 class TokenCopies(NamedTuple):
-    """What a dispatcher hands the experts: their input rows as source[order // topk] (−1: a zero row), not yet
-    gathered. `GroupedExperts` gathers them (`gather_token_copies`); the blockwise FP8 experts
-    (`lowp.quant.Fp8BlockwiseExperts`) hand them to their GEMM, which gathers them as it quantizes them. With
-    `weights`, the experts return, instead of their rows, each token's weighted sum of its copies' rows (`sum`),
-    which the blockwise FP8 GEMM makes itself, so that its backward reads the rows' gradient from the tokens' as it
-    quantizes it."""
-    source: torch.Tensor  # [T, D]
-    order: torch.Tensor  # [N] the slot (token, k) of each row, −1 for a padding row
-    topk: int
+    """What a dispatcher hands the experts: the rows source[order // topk], not yet gathered, so that a GEMM may gather
+    them as it quantizes them (`lowp.quant.Fp8BlockwiseExperts`). With `weights`, the experts return each token's
+    weighted sum of its rows (`sum`) instead of the rows."""
+    source: torch.Tensor  # [T, D] the tokens
+    order: torch.Tensor  # [N] the slot each row holds, −1 for a padding row
+    topk: int  # K
     weights: torch.Tensor | None = None  # [T, K] the gate weight of each slot (junk where no row holds the slot)
 
     def gather(self) -> torch.Tensor:
         return gather_token_copies(self.source, self.order, self.topk)
 
     def sum(self, rows: torch.Tensor) -> torch.Tensor:
-        """[N, D] rows in `order` → [T, D] token rows, y_t = Σ_k g_t,k · (the row in slot (t, k))."""
+        """rows [N, D] in `order` → y [T, D], y_t = Σ_k g_t,k · (the row in slot (t, k))."""
         return combine_token_copies(rows, self.order, self.weights)
 
 
 def gather_token_copies(x: torch.Tensor, order: torch.Tensor, topk: int) -> torch.Tensor:
-    """x [T, D] → its token copies [N, D] in `order` (the flat (token, k) slot of each row, −1: a row of zeros, as
-    `pad_order`'s padding), as x[order // topk]. Slots that `order` leaves out (under DeepEP: experts on other
-    ranks) get no row. Backward, each token's gradient is the sum of its copies' rows, gathered (`_GatheredRows`)."""
+    """x [T, D] → the rows [N, D] in `order`, x[order // topk] (padding rows zero); slots `order` leaves out (DeepEP:
+    experts on other ranks) get none. Backward, each token's gradient sums its rows', gathered (`_GatheredRows`)."""
     return _GatheredRows.apply(x, order, topk)
 
 
 def row_of_slot(order: torch.Tensor, n_slots: int) -> torch.Tensor:
-    """The inverse of `order` (the slot each row holds, e.g. a flat (token, k) one): for each of `n_slots` slots,
-    the row that holds it, −1 where none does. Rows of slot −1 (padding) are written to a spare slot past the end,
-    then dropped: scatter takes no mask."""
+    """The inverse of `order`: for each of `n_slots` slots, the row that holds it, −1 where none does. Padding rows
+    are written to a spare slot past the end, then dropped: scatter takes no mask."""
     rows = torch.full((n_slots + 1,), -1, dtype=order.dtype, device=order.device)
     slot = torch.where(order >= 0, order, n_slots)
     return rows.scatter(0, slot, torch.arange(order.numel(), device=order.device))[:n_slots]
@@ -146,11 +133,9 @@ def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
 
 def _sum_rows_of_slots(rows: torch.Tensor, row_of_slot: torch.Tensor,
                        slot_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Σ_k rows[row_of_slot[:, k]] (· slot_weights[:, k]) per token [T, D], summed in fp32 (fp64 rows: fp64) and
-    returned in the rows' dtype; slots without a row (−1) add nothing. K gathers summed elementwise: one pointwise
-    kernel under inductor, where a sum over a [T, K, D] gather is a reduction over K that it tiles into blocks of a
-    few dozen outputs. An empty slot reads row 0 and is then deselected, not multiplied by 0: a non-finite row 0
-    stays its own token's."""
+    """Σ_k rows[row_of_slot[:, k]] (· slot_weights[:, k]) [T, D], summed in fp32 (fp64 rows: fp64), in the rows'
+    dtype; slots without a row (−1) add nothing. K gathers summed elementwise, one pointwise kernel under inductor
+    (docs/performance.md#the-routed-experts-token-copies)."""
     # torch<2.14: the K columns by unbind, not range(row_of_slot.size(1)): traced inside a checkpoint, torch 2.11's
     # dynamo returns every intermediate of an autograd.Function's forward, and fails (AssertionError) on that size
     weights = slot_weights.unbind(1) if slot_weights is not None else [None] * row_of_slot.size(1)
@@ -159,14 +144,13 @@ def _sum_rows_of_slots(rows: torch.Tensor, row_of_slot: torch.Tensor,
         term = rows[row.clamp(min=0)].to(_at_least_fp32(rows.dtype))
         if weight is not None:
             term = term * weight[:, None]
-        total = total + torch.where((row >= 0)[:, None], term, 0.0)
+        total = total + torch.where((row >= 0)[:, None], term, 0.0)  # not × 0: the row 0 an empty slot read may be inf
     return total.to(rows.dtype)
 
 
 class _GatheredRows(torch.autograd.Function):
-    """x[order // K]. Autograd's backward of an index scatters the [N, D] gradient back with atomic adds into a zero
-    buffer, in bf16; here each token gathers its K rows instead (`row_of_slot`) and sums them in fp32 (fp64 rows:
-    fp64): one kernel, no atomics, no zero fill, deterministic."""
+    """x[order // K], whose backward gathers each token's K rows (`row_of_slot`) and sums them in fp32 where autograd's
+    would scatter them with atomic adds in bf16: one kernel, no zero fill, deterministic."""
 
     @staticmethod
     def forward(ctx, x, order, topk):
@@ -183,7 +167,7 @@ class _GatheredRows(torch.autograd.Function):
 
 
 def sum_token_copies(grad_rows: torch.Tensor, order: torch.Tensor, topk: int, n_tokens: int) -> torch.Tensor:
-    """The gradient of `gather_token_copies` [T, D]: each token's is the sum of its copies' rows' [N, D]."""
+    """The gradient of `gather_token_copies` [T, D]: each token's is the sum of its rows' [N, D]."""
     if not grad_rows.size(0):  # no row was gathered (EP: a rank that received no tokens): nothing to sum
         return grad_rows.new_zeros(n_tokens, grad_rows.size(1))
     rows_of_token = row_of_slot(order, n_tokens * topk).view(-1, topk)  # [T, K]
@@ -191,37 +175,33 @@ def sum_token_copies(grad_rows: torch.Tensor, order: torch.Tensor, topk: int, n_
 
 
 def combine_token_copies(rows: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """Undo the sort by expert and reduce each token's copies: y_t = Σ_k g_t,k · (the row in slot (t, k)).
-
-    rows [N, D]; order [N]: the flat (token, k) slot of each row, −1 for a padding row (which gets no gradient);
-    topk_weights [T, K]. Slots that hold no row (under DeepEP: experts on other ranks, whose weights are junk)
-    count as zero. T = 0 (EP: a rank that received no tokens) takes padding rows only, or none."""
+    """rows [N, D] in `order` → y [T, D], y_t = Σ_k g_t,k · (the row in slot (t, k)), g = topk_weights [T, K]. Slots
+    no row holds (DeepEP: experts on other ranks, whose weights are junk) count as zero; T may be 0 (EP: a rank that
+    received no tokens, its rows padding only, or none)."""
     rows_of_token = row_of_slot(order, topk_weights.numel()).view(topk_weights.shape)
     return _WeightedRowSum.apply(rows, topk_weights, rows_of_token, order)
 
 
 class _WeightedRowSum(torch.autograd.Function):
-    """combine_token_copies (not twice differentiable). Both directions are gathers, which inductor fuses with the
-    weighting into one kernel each: the [T·K, D] token copies are never written out (a scatter back to token
-    order would be), and each row's gradient is its one slot's g_t,k · ∂y_t. Elementwise, not bmm: a [1, K] ×
-    [K, D] batched GEMM with K = 6 runs on a slow unaligned kernel."""
+    """combine_token_copies (not twice differentiable): both directions gathers, which inductor fuses with the
+    weighting into one kernel each (docs/performance.md#the-routed-experts-token-copies)."""
 
     @staticmethod
-    def forward(ctx, rows, weights, row_of_slot, slot_of_row):
+    def forward(ctx, rows, weights, row_of_slot, order):
         y, slot_weights = weighted_row_sum(rows, weights, row_of_slot)
-        ctx.save_for_backward(rows, slot_weights, row_of_slot, slot_of_row)
+        ctx.save_for_backward(rows, slot_weights, row_of_slot, order)
         ctx.weights_dtype = weights.dtype
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        rows, slot_weights, row_of_slot, slot_of_row = ctx.saved_tensors
+        rows, slot_weights, row_of_slot, order = ctx.saved_tensors
         if not grad_y.size(0):  # no tokens (EP: a rank that received none): the rows, padding only, get none
             return torch.zeros_like(rows), grad_y.new_zeros(row_of_slot.shape, dtype=ctx.weights_dtype), None, None
         K = row_of_slot.size(1)
-        grad_y_of_row = grad_y[slot_of_row // K]  # [N, D]; a padding row (slot −1) reads the last slot's
-        grad_rows = torch.where((slot_of_row >= 0).unsqueeze(-1),
-                                grad_y_of_row * slot_weights.flatten()[slot_of_row].unsqueeze(-1), 0)
+        grad_y_of_row = grad_y[order // K]  # [N, D]; a padding row (slot −1) reads the last slot's
+        grad_rows = torch.where((order >= 0).unsqueeze(-1),
+                                grad_y_of_row * slot_weights.flatten()[order].unsqueeze(-1), 0)
         # ∂g_t,k = ⟨∂y_t, row⟩, reduced row by row in the rows' order, beside grad_rows (one kernel reads both)
         wide = _at_least_fp32(rows.dtype)
         grad_weight_of_row = (grad_y_of_row.to(wide) * rows.to(wide)).sum(dim=-1)  # [N]

@@ -441,12 +441,13 @@ def test_a_second_run_on_a_locked_directory_is_refused_on_every_rank_until_the_h
     rundir.unlock_run_dir(tmp_path)
 
 
-def _with_compute_copies(seed: int = 0) -> tuple[Transformer, torch.optim.Optimizer, TrainConfig]:
+def _with_compute_copies(seed: int = 0) -> tuple[Transformer, optim.ComputeCopies, torch.optim.Optimizer,
+                                                 TrainConfig]:
     torch.manual_seed(seed)
     model = Transformer(replace(FLAVORS["debug"], n_layers=2, max_seq_len=32))
-    model.compute_copies = optim.ComputeCopies(model, torch.bfloat16)
+    copies = optim.ComputeCopies(model, torch.bfloat16)
     t = TrainConfig(global_batch=2, micro_batch=2, seq_len=32, optimizer_state_dtype="bf16")
-    return model, train.build_optimizer(model, t, torch.device("cpu"), model.compute_copies), t
+    return model, copies, train.build_optimizer(model, t, torch.device("cpu"), copies), t
 
 
 @pytest.mark.slow
@@ -454,14 +455,14 @@ def test_a_run_with_compute_copies_checkpoints_fp32_weights_and_resumes_exactly(
     """The checkpoint holds the fp32 parameters, not their bf16 compute copies; after a load the copies are
     remade from the loaded weights (a stale copy would train on the fresh init)."""
     batches = torch.randint(0, 256, (4, 2, 33), generator=torch.Generator().manual_seed(3))
-    model, optimizer, t = _with_compute_copies()
+    model, _, optimizer, t = _with_compute_copies()
     for step in (1, 2):
         train.train_step(model, optimizer, batches[step - 1], t, step)
     saved = checkpoint.save(tmp_path, 2, model, optimizer, {"step": 2}, keep=1)
     expected = [train.train_step(model, optimizer, batches[step - 1], t, step)[0] for step in (3, 4)]
 
-    fresh, fresh_optimizer, _ = _with_compute_copies(seed=1)
-    with fresh.compute_copies.active():
+    fresh, fresh_copies, fresh_optimizer, _ = _with_compute_copies(seed=1)
+    with fresh_copies.active():
         fresh(batches[0][:, :-1])  # its copies now hold its own init
     checkpoint.load(saved, fresh, fresh_optimizer)
     assert {v.dtype for v in fresh.state_dict().values() if v.is_floating_point()} == {torch.float32}

@@ -252,11 +252,10 @@ def test_one_gpu_blockwise_experts_compute_with_fp8_blocks_the_optimizer_writes(
 
 # ------------------------------------------------------------------------------------------ compute copies
 
-def _with_copies() -> Transformer:
+def _with_copies() -> tuple[Transformer, optim.ComputeCopies]:
     torch.manual_seed(0)
     model = Transformer(replace(FLAVORS["debug"], n_layers=2, max_seq_len=32))
-    model.compute_copies = optim.ComputeCopies(model, torch.bfloat16)
-    return model
+    return model, optim.ComputeCopies(model, torch.bfloat16)
 
 
 def _micro_batches() -> torch.Tensor:
@@ -278,9 +277,9 @@ def _holds_its_fp32_parameters(model: Transformer, optimizer: torch.optim.Optimi
 def test_an_exception_inside_backward_leaves_the_fp32_parameters_in_the_model():
     """The copies were swapped out by a callback at the end of a backward that never ended: state_dict() returned
     bf16 copies, which the optimizer state could not map to names."""
-    model = _with_copies()
+    model, copies = _with_copies()
     t = TrainConfig(global_batch=4, micro_batch=2, seq_len=32, optimizer_state_dtype="bf16")
-    optimizer = build_optimizer(model, t, torch.device("cpu"), model.compute_copies)
+    optimizer = build_optimizer(model, t, torch.device("cpu"), copies)
 
     def fail(grad):
         raise RuntimeError("failed in backward")
@@ -299,11 +298,11 @@ def test_an_exception_inside_backward_leaves_the_fp32_parameters_in_the_model():
 
 
 def test_a_forward_without_backward_leaves_the_fp32_parameters_in_the_model():
-    model = _with_copies()
+    model, copies = _with_copies()
     micro = _micro_batches()[0]
     model(micro[:, :-1], micro[:, 1:])  # outside `active()`: the plain fp32 model, never its copies
     assert _holds_its_fp32_parameters(model)
-    with model.compute_copies.active():
+    with copies.active():
         loss = _total_loss(model, micro)  # a loss with a graph, never backpropagated
     assert loss.requires_grad and _holds_its_fp32_parameters(model)
 
@@ -312,8 +311,7 @@ def test_two_micro_batches_add_up_in_fp32_and_each_bf16_gradient_is_freed_as_soo
     """Each copy's gradient goes into the fp32 sum when backward produces it: when backward reaches the embedding
     (every block done), no copy but the embedding's holds a gradient, where adding up after the whole backward kept
     every block's bf16 gradients alive at once. The sum is exactly the fp32 sum of the micro-batches' gradients."""
-    model = _with_copies()
-    copies = model.compute_copies
+    model, copies = _with_copies()
     name_of = {p: name for name, p in model.named_parameters()}
     alone = []
     for micro in _micro_batches():
@@ -345,8 +343,7 @@ def test_two_micro_batches_add_up_in_fp32_and_each_bf16_gradient_is_freed_as_soo
 
 def test_a_copy_is_remade_when_its_parameter_changed_outside_the_update():
     """In place (a load, an init) or by binding a new tensor to `p.data`; the update writes copies itself."""
-    model = _with_copies()
-    copies = model.compute_copies
+    model, copies = _with_copies()
     micro = _micro_batches()[0]
     weight = model.head.weight
     for change in (lambda: weight.mul_(2), lambda: setattr(weight, "data", weight.data * 3)):

@@ -50,12 +50,12 @@ def _grad(p: torch.nn.Parameter, copies: optim.ComputeCopies | None) -> torch.Te
     return DTensor.from_local(grad, p.device_mesh, p.placements) if isinstance(p, DTensor) else grad
 
 
-def _run(model: Transformer, batches: torch.Tensor, rank: int, world: int, train: TrainConfig = TRAIN) -> dict:
+def _run(model: Transformer, batches: torch.Tensor, rank: int, world: int, train: TrainConfig = TRAIN,
+         copies: optim.ComputeCopies | None = None) -> dict:
     """First-step gradients (no update), then STEPS optimizer steps: losses, expert biases, parameters,
     and the dtype of every optimizer state tensor."""
     rows = TRAIN.global_batch // world
     local = batches[:, rank * rows:(rank + 1) * rows]
-    copies = getattr(model, "compute_copies", None)  # the routed experts at ep == world (parallel.apply_fsdp)
     with copies.active() if copies else contextlib.nullcontext():
         out = model(local[0][:, :-1], local[0][:, 1:])
         (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
@@ -89,8 +89,10 @@ def _all_reduce_min(t: torch.Tensor) -> torch.Tensor:
 
 
 def _parallelize(model: Transformer, world: int, ep: int, ac: str = "none", param_dtype: torch.dtype = torch.float32,
-                 compile_backend=None) -> Transformer:
-    """EP (ep > 1) → activation checkpointing → compile (given a backend) → FSDP2, in train.build_model's order."""
+                 compile_backend=None) -> tuple[Transformer, optim.ComputeCopies | None]:
+    """EP (ep > 1) → activation checkpointing → compile (given a backend) → FSDP2, in train.build_model's order;
+    returns what it returns: the model and the compute copies of what FSDP left unsharded (ep == world: the
+    routed experts), or None."""
     meshes = parallel.build_meshes("cpu", world, ep)
     if ep > 1:
         parallel.apply_expert_parallel(model, meshes)
@@ -98,9 +100,8 @@ def _parallelize(model: Transformer, world: int, ep: int, ac: str = "none", para
     if compile_backend is not None:
         parallel.apply_compile(model, world, backend=compile_backend)
     unsharded = parallel.apply_fsdp(model, meshes, param_dtype, torch.float32, ep)
-    if unsharded:  # as train.build_model does
-        model.compute_copies = optim.ComputeCopies(model, param_dtype, params=unsharded, grad_divisor=world)
-    return model
+    copies = optim.ComputeCopies(model, param_dtype, params=unsharded, grad_divisor=world) if unsharded else None
+    return model, copies
 
 
 def _save_from_rank_0_and_leave(rank: int, value, out_path: str) -> None:
@@ -122,7 +123,8 @@ def _worker(rank: int, world: int, ep: int, port: int, out_path: str, ac: str = 
         _starve_last_rank(model, ep)
         for moe in parallel.moe_layers(model):
             moe.experts.register_forward_pre_hook(lambda _, args: expert_rows.append(args[0].order.numel()))
-    result = _run(_parallelize(model, world, ep, ac), _batches(), rank, world, train)
+    model, copies = _parallelize(model, world, ep, ac)
+    result = _run(model, _batches(), rank, world, train, copies)
     if starve:  # the fewest rows any rank's experts were handed
         result["min_expert_rows"] = _all_reduce_min(torch.tensor(min(expert_rows)))
     _save_from_rank_0_and_leave(rank, result, out_path)
@@ -176,14 +178,12 @@ def _fsdp_units_worker(rank: int, world: int, ep: int, port: int, out_path: str)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    model = _parallelize(Transformer(CFG), world, ep)
+    model, copies = _parallelize(Transformer(CFG), world, ep)
     moe_blocks = [b for b in model.blocks() if isinstance(b.ffn, MoE)]
     _save_from_rank_0_and_leave(rank, {
         "experts_fsdp": [isinstance(b.ffn.experts, FSDPModule) for b in moe_blocks],
         "expert_mesh_dims": [b.ffn.experts.w13.device_mesh.ndim for b in moe_blocks],
-        "copies": sorted(n for n, p in model.named_parameters()
-                         if p in getattr(model, "compute_copies", optim.ComputeCopies(model, torch.float32,
-                                                                                      params=[])).copy_of)},
+        "copies": sorted(n for n, p in model.named_parameters() if copies is not None and p in copies.copy_of)},
         out_path)
 
 
@@ -284,8 +284,8 @@ def _compiled_ac_worker(rank: int, world: int, ep: int, port: int, out_path: str
     for compile in (False, True):
         torch.manual_seed(0)
         # bf16 compute: the grouped GEMM traces in bf16 only
-        model = _parallelize(Transformer(cfg), world, ep, ac, torch.bfloat16,
-                             aot_autograd(fw_compiler=record) if compile else None)
+        model, _ = _parallelize(Transformer(cfg), world, ep, ac, torch.bfloat16,
+                                aot_autograd(fw_compiler=record) if compile else None)
         # the MoE layers of a batch receive different token counts under EP, the second batch others again
         torch._dynamo.utils.counters.clear()
         for batch in local:
@@ -463,7 +463,7 @@ def _exchange_count_worker(rank: int, world: int, port: int, out_path: str) -> N
     local = _batches()[0, :TRAIN.global_batch // world]
     counts = {}
     for ac in ("none", "selective"):
-        model = _parallelize(Transformer(CFG), world, world, ac)
+        model, _ = _parallelize(Transformer(CFG), world, world, ac)
         with _CountExchanges() as counter:
             out = model(local[:, :-1], local[:, 1:])
             (out.loss + sum(out.mtp_losses) + out.balance_loss).backward()
@@ -567,8 +567,8 @@ def _accumulation_worker(rank: int, world: int, port: int, out_path: str) -> Non
     result = {}
     for accumulate in (False, True):
         torch.manual_seed(0)
-        model = _parallelize(Transformer(CFG), world, ep=2)
-        optimizer = build_optimizer(model, TRAIN, torch.device("cpu"), getattr(model, "compute_copies", None))
+        model, copies = _parallelize(Transformer(CFG), world, ep=2)
+        optimizer = build_optimizer(model, TRAIN, torch.device("cpu"), copies)
         held_per_forward = []
         probe = model.register_forward_pre_hook(lambda *_: held_per_forward.append(_unsharded_grads_held(model)),
                                                 prepend=True)  # before FSDP's own pre-forward unshards anything
@@ -602,11 +602,11 @@ def _copies_worker(rank: int, port: int, ac: str, out_path: str) -> None:
         torch.manual_seed(0)
         model = Transformer(CFG)
         if name == "fsdp":
-            _parallelize(model, 1, 1, ac, torch.bfloat16)
+            _, copies = _parallelize(model, 1, 1, ac, torch.bfloat16)
         else:
             parallel.apply_activation_checkpointing(model, ac)
-            model.compute_copies = optim.ComputeCopies(model, torch.bfloat16)
-        optimizer = build_optimizer(model, train, torch.device("cpu"), getattr(model, "compute_copies", None))
+            copies = optim.ComputeCopies(model, torch.bfloat16)
+        optimizer = build_optimizer(model, train, torch.device("cpu"), copies)
         name_of = {p: _unwrapped(n) for n, p in model.named_parameters()}
         params = [p for group in optimizer.param_groups for p in group["params"]]
         first_grads = {name_of[p]: _full(g).clone() for p, g in zip(params, _grads_of_first_step(optimizer))}

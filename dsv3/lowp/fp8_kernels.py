@@ -245,10 +245,9 @@ def adamw_weight_blocks(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.
                         decay: torch.Tensor, beta1: float, beta2: float, eps: float,
                         bias_correction2_sqrt: torch.Tensor, grad_scale: torch.Tensor, seed: torch.Tensor,
                         salt: torch.Tensor) -> None:
-    """`dsv3.optim.adamw_update` (same arguments, bits of eager CUDA's) of an expert stack `param` [E, M, K] fp32,
-    M and K multiples of 128, in place, that writes, instead of a bf16 compute copy, what `fp8_weight_blocks` makes of
-    that copy into `blocks`: (e4m3 [E, M, K], e4m3 [E, K, M], inverse scales [E, M/128, K/128]). Each 128×128 block
-    is quantized while the update holds it, where the copy was written in bf16 and read back by the next forward."""
+    """`dsv3.optim.adamw_update` (same arguments, eager CUDA's bits) of an expert stack `param` [E, M, K] fp32 in
+    place, M and K multiples of 128, writing into `blocks` what `fp8_weight_blocks` makes of its bf16 copy (e4m3
+    [E, M, K], [E, K, M], inverse scales [E, M/128, K/128]) as it holds each block, instead of the copy."""
     n_experts, m, k = param.shape
     out, out_t, inv_scales = blocks
     _adamw_weight_blocks_kernel[(k // BLOCK, m // BLOCK, n_experts)](
@@ -308,12 +307,9 @@ def _fp8_tiles_kernel(x_ptr, source_rows_ptr, row_weights_ptr, dot_rows_ptr, dot
 @torch.library.custom_op("dsv3::fp8_tiles", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def fp8_tiles(x: torch.Tensor, source_rows: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [N, K], K a multiple of 128 → (e4m3 [N, K], inverse scales [N, K/128] fp32, column amaxes
-    [⌈N/128⌉, K] fp32): one power-of-two scale per 1×128 tile of a row (DeepSeek-V3 §3.3.2), in one read. The inverse
-    scales are stored column-major, the layout DeepGEMM reads (it would otherwise transpose them). The column amaxes,
-    each column's over each block of 128 rows, spare `fp8_group_cols` its own pass over the rows of x.
-    With `source_rows` [N] (int64), x is [T, K] and the operand's rows are x[source_rows] (−1: a zero row),
-    gathered as they are read: the rows of the experts' input are never written out in bf16."""
+    """x [N, K], K a multiple of 128 → (e4m3 [N, K], inverse scales [N, K/128] fp32 column-major as DeepGEMM reads
+    them, column amaxes per 128 rows [⌈N/128⌉, K] fp32 for `fp8_group_cols`): a power-of-two scale per 1×128 tile
+    (§3.3.2). With `source_rows` [N] (int64; −1: a zero row), x is [T, K] and the rows x[source_rows], gathered."""
     return _tiles(x, source_rows)[:3]
 
 
@@ -326,11 +322,9 @@ def _(x: torch.Tensor, source_rows: torch.Tensor | None = None) -> tuple[torch.T
 def fp8_tiles_of_weighted_rows(x: torch.Tensor, source_rows: torch.Tensor, row_weights: torch.Tensor,
                                dot_rows: torch.Tensor
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`fp8_tiles` of the rows x[source_rows] · row_weights (each product rounded to x's dtype; −1: a zero row),
-    and beside them the dot products ⟨x[source_rows[i]], dot_rows[i]⟩ of the unweighted rows, in parts [K/128, N]
-    fp32 to be summed over the first dimension (junk for a −1 row, whose dot_rows row may be unwritten). The backward
-    of y_t = Σ_k g_t,k · row in one read of each operand: x = ∂y, row_weights the rows' gate weights, dot_rows the
-    rows, the dots ∂g."""
+    """`fp8_tiles` of the rows x[source_rows] · row_weights (rounded to x's dtype), and the dots ⟨x[source_rows[i]],
+    dot_rows[i]⟩ in parts [K/128, N] fp32 to sum over dim 0 (junk at −1 rows): y_t = Σ_k g_t,k · row's backward in one
+    read of each operand (x = ∂y, row_weights the gate weights, dot_rows the rows, the dots ∂g)."""
     return _tiles(x, source_rows.contiguous(), row_weights.contiguous(), dot_rows.contiguous())
 
 
@@ -413,12 +407,9 @@ def _fp8_group_cols_kernel(x_ptr, source_rows_ptr, row_weights_ptr, offsets_ptr,
 def fp8_group_cols(x: torch.Tensor, offsets: torch.Tensor, block_amax: torch.Tensor | None = None,
                    source_rows: torch.Tensor | None = None, row_weights: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, F] row-major, its rows in groups ending at `offsets` [G] → (e4m3 [N, F] column-major, scales [G·F]):
-    each group's column c ≈ e4m3 / scales[g·F + c], the layouts `torch._scaled_grouped_mm` takes for a weight
-    gradient. With `block_amax` (`fp8_tiles`' column amaxes of x; every group then starts and ends at a multiple of
-    128 rows), the scales come from those, and x is read once instead of twice. With `source_rows` [N], as
-    `fp8_tiles`: x is [T, F] and the operand's rows are x[source_rows], gathered as they are read; with
-    `row_weights` [N] too, as `fp8_tiles_of_weighted_rows`: x[source_rows] · row_weights."""
+    """x [N, F], rows in groups ending at `offsets` [G] → (e4m3 [N, F] column-major, scales [G·F]), group g's column
+    c ≈ e4m3 / scales[g·F + c], as `torch._scaled_grouped_mm` takes a weight gradient; `block_amax` (`fp8_tiles`',
+    groups then whole 128-row blocks) spares x's amax pass; `source_rows`, `row_weights` as in the tile ops."""
     x = x.contiguous()
     n, f = x.shape if source_rows is None else (source_rows.numel(), x.size(1))
     block_f = 32

@@ -125,10 +125,9 @@ def _check_deepgemm(device: torch.device) -> None:
 
 
 def convertible_linears(model: nn.Module, precision: str, fp8_min_features: int = 0) -> list[str]:
-    """The dense linears `precision` may convert: every nn.Linear outside the output head and the MTP modules
-    whose features divide by what its kernels need and, for fp8, whose min(in, out) features reach
-    `fp8_min_features`: below it, the memory-bound quantization of x, W and grad_out costs more than the FP8 GEMMs
-    save (scripts/bench_fp8.py times each shape)."""
+    """The dense linears `precision` may convert: every nn.Linear outside the output head and the MTP modules whose
+    features divide by what its kernels need and, for fp8, whose min(in, out) reaches `fp8_min_features`, below which
+    quantizing costs more than the FP8 GEMMs save (docs/precision.md#fp8-recipes-and-which-linears-convert)."""
     min_features = fp8_min_features if precision == "fp8" else 0
     multiple = FEATURE_MULTIPLE[precision]
     return [name for name, m in model.named_modules()
@@ -139,16 +138,9 @@ def convertible_linears(model: nn.Module, precision: str, fp8_min_features: int 
 
 def apply(model: nn.Module, precision: str, expert_precision: str = "bf16", fp8_recipe: str = "rowwise",
           skip: Sequence[str] = (), fsdp: bool = True, fp8_min_features: int = 0) -> list[str]:
-    """Convert `model` in place for `precision`; returns the names of the dense linears converted.
-
-    Dense: the `convertible_linears` (for fp8, at least `fp8_min_features` wide) whose name contains none of `skip`
-    (e.g. "attn", "shared_experts"); others stay bf16. Modules are swapped, their weight Parameters kept, so
-    parameter names (FSDP, checkpoints) do not change. `fsdp`: whether FSDP2 will shard the model; only then do
-    tensorwise weights carry the fp8 all-gather.
-    Experts: `expert_precision=low` swaps each `GroupedExperts` for the precision's low-precision one
-    (`Fp8RowwiseExperts`, `MXFP8Experts`), whose dispatcher pads groups to GROUP_ALIGN rows; `fp8-blockwise` for
-    `Fp8BlockwiseExperts` (whatever the dense `precision`), groups padded to BLOCK rows. Works on a meta-device model.
-    """
+    """Convert `model` (a meta-device one too) in place for `precision` and `expert_precision`, swapping modules but
+    keeping their weight Parameters, so parameter names do not change; returns the names of the dense linears
+    converted (the `convertible_linears` named by none of `skip`). `fsdp`: whether FSDP2 will shard the model."""
     _check_modes(precision, expert_precision, fp8_recipe)
     if expert_precision == "fp8-blockwise":
         _swap_experts(model, Fp8BlockwiseExperts, BLOCK, BLOCK, expert_precision)
@@ -245,10 +237,9 @@ def fp8_rowwise_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tens
 
 
 class _Fp8RowwiseGroupedMM(torch.autograd.Function):
-    """out = x·w per group, its three GEMMs in e4m3 (torch._scaled_grouped_mm, fp32 accumulation). The token rows'
-    scales along the features are `to_fp8_rowwise`, plain torch ops that inductor fuses into the kernels that make
-    the rows (the gather, SwiGLU, its backward); the weights' scales along each axis and the weight gradient's along
-    each group's tokens are dsv3.lowp.fp8_kernels' Triton kernels, which move fewer bytes than torchao 0.18's."""
+    """out = x·w per group, its three GEMMs in e4m3 (torch._scaled_grouped_mm, fp32 accumulation): the token rows
+    scaled by `to_fp8_rowwise`, which inductor fuses into the ops that make them, the weights and the weight gradient
+    by dsv3.lowp.fp8_kernels (docs/precision.md#the-fp8-experts-kernels)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -277,15 +268,13 @@ class _Fp8RowwiseGroupedMM(torch.autograd.Function):
         return grad_x, _fp8_rowwise_weight_grad(grad_out, x, offsets).transpose(-2, -1), None
 
 
-
 def _fp8_rowwise_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
                              grad_out_amax: torch.Tensor | None = None, x_amax: torch.Tensor | None = None,
                              x_source_rows: torch.Tensor | None = None,
                              grad_out_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """grad_w [E, M, K] = grad_outᵀ · x per group, both quantized along the tokens, within each expert's group
-    (`*_amax`: the operand's column amaxes per 128-row block, from `fp8_tiles`; `x_source_rows`: x's rows are
-    x[x_source_rows], as `fp8_tiles` takes them; `grad_out_rows` (source rows, row weights): grad_out's rows are
-    grad_out[source rows] · row weights, as `fp8_tiles_of_weighted_rows` takes them)."""
+    """grad_w [E, M, K] = grad_outᵀ · x per group, both quantized along each group's tokens (`fp8_group_cols`): the
+    `*_amax` are its `block_amax`, `x_source_rows` x's `source_rows`, `grad_out_rows` grad_out's (`source_rows`,
+    `row_weights`)."""
     from dsv3.lowp.fp8_kernels import fp8_group_cols
 
     g_cols, g_col_scales = fp8_group_cols(grad_out, offsets, grad_out_amax, *(grad_out_rows or ()))
@@ -321,28 +310,18 @@ def _(a, a_inv_scales, b, b_inv_scales, groups):
 
 def fp8_blockwise_grouped_mm(x: torch.Tensor | TokenCopies, w: torch.Tensor, offsets: torch.Tensor,
                              *w_blocks: torch.Tensor, sum_copies: TokenCopies | None = None) -> torch.Tensor:
-    """Routed-expert GEMM in DeepSeek-V3's FP8 recipe; groups must start at multiples of 128 rows (the dispatcher
-    pads them). x: the rows, or a dispatcher's `TokenCopies` of them, which the quantization gathers as it reads
-    them (the bf16 rows are never written). `w_blocks`: what `fp8_kernels.fp8_weight_blocks` makes of w's bf16
-    values, if something keeps it (`Fp8BlockwiseExperts.weight_blocks`); w's values are then not read, only its gradient
-    is made. `sum_copies` (copies with `weights`, whose order the output rows follow): returns `sum_copies.sum` of
-    the output, whose backward reads the rows' gradient from the tokens' as it quantizes it (never written)."""
+    """Routed-expert GEMM in DeepSeek-V3's FP8 recipe, groups starting at multiples of 128 rows. x: the rows, or
+    `TokenCopies` that the quantization gathers; `w_blocks`: w's `fp8_kernels.fp8_weight_blocks`, where something keeps
+    them (w's values are then unread); `sum_copies`: return `sum_copies.sum` of the output rows, in its `order`."""
     source, order, topk = (x.source, x.order, x.topk) if isinstance(x, TokenCopies) else (x, None, 1)
     sum_order, sum_weights = (None, None) if sum_copies is None else (sum_copies.order, sum_copies.weights)
     return _Fp8BlockwiseGroupedMM.apply(source, w, offsets, order, topk, sum_order, sum_weights, *w_blocks)
 
 
-
 class _Fp8BlockwiseGroupedMM(torch.autograd.Function):
-    """out = x·w per group. The forward and the input gradient take DeepSeek-V3's scales (§3.3.2: 1×128 tiles of
-    the token rows, 128×128 blocks of the weights: dsv3.lowp.fp8_kernels) through DeepGEMM's grouped GEMM; the weight
-    gradient, whose inner dimension is each group's tokens, takes `_Fp8RowwiseGroupedMM`'s per-group column scales:
-    torch's grouped GEMM ran it faster than DeepGEMM's k-grouped one, which writes fp32. Those scales come from the
-    column amaxes that the tiles' kernel records while it reads each operand (its groups start at multiples of 128
-    rows, the tiles' blocks), so the weight gradient's quantization reads each operand once. With `order`, the rows
-    are x[order // topk] (`TokenCopies`), read so by both quantizations, and x's gradient sums its copies'. With
-    `sum_order`, the output is y_t = Σ_k g_t,k · (out's row in slot (t, k)) (`token_copies.combine_token_copies`), and
-    both quantizations read out's gradient as ∂y_t · g_t,k, the tiles' kernel making ∂g_t,k = ⟨∂y_t, row⟩ beside."""
+    """out = x·w per group, in DeepSeek-V3's scales (§3.3.2) through DeepGEMM, the weight gradient in per-group column
+    scales (docs/precision.md#the-fp8-experts-kernels). With `order`, x's rows are x[order // topk]; with `sum_order`,
+    the output is y_t = Σ_k g_t,k · (out's row in slot (t, k)), both read so by the quantizations, never written."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor | None,
