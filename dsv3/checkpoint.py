@@ -135,6 +135,8 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
     unconfirmed; keeps the newest `keep` (and the newest confirmed one). `background`: only the copy to host memory
     happens here; the write, the manifest and the rename run in a thread (`wait_for_save`), one save at a time."""
     wait_for_save()  # never two in flight
+    while _removing:  # the room an earlier rotation frees
+        _removing.pop().join()
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step-{step}", run_dir / f"step-{step}.tmp"
     for path in (tmp, final):  # the save would go to a link's target
@@ -325,9 +327,26 @@ def _rotate(run_dir: Path, keep: int) -> None:
     """Delete all but the newest `keep` checkpoints, never the newest confirmed one."""
     found = checkpoints(run_dir)
     confirmed = [p for p in found if is_confirmed(p)]
-    for old in found[:-keep] if keep > 0 else []:
-        if not confirmed or old != confirmed[-1]:
-            shutil.rmtree(old, ignore_errors=True)
+    doomed = [p for p in found[:-keep] if not confirmed or p != confirmed[-1]] if keep > 0 else []
+    for old in doomed:  # renamed at once: no resume takes it
+        removed = old.with_name(old.name + _REMOVED)
+        shutil.rmtree(removed, ignore_errors=True)  # a killed process's, of the same step
+        os.replace(old, removed)
+    # deleting a large checkpoint takes seconds: a thread does it (the process waits for it at exit; one that was
+    # killed leaves `*.removed`, deleted here next time)
+    removals = [p for p in run_dir.iterdir() if p.name.endswith(_REMOVED) and not p.is_symlink()]
+    if removals:
+        _removing.append(threading.Thread(target=_remove_all, args=(removals,), name="dsv3-rotate"))
+        _removing[-1].start()
+
+
+_REMOVED = ".removed"
+_removing: list[threading.Thread] = []  # rotations deleting old checkpoints
+
+
+def _remove_all(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _write_json(path: Path, value: Any) -> None:
