@@ -182,5 +182,4 @@ def test_the_save_benchmark_trains_through_each_write_and_reports_every_stall(da
     for save in report["background"]:
         assert save["call_s"] > 0 and save["write_s"] > 0 and save["steps"] >= 0
         assert save["stall_s"] == pytest.approx(save["call_s"] + save["steps_excess_s"] + save["publish_s"], abs=2e-3)
-    assert report["background_bytes_as_blocking"] is True
     assert not (tmp_path / "bs").exists()
