@@ -1,30 +1,16 @@
 """The expert-parallel dispatchers that `dsv3.parallel.apply_expert_parallel` hands each MoE layer
-(`parallel.ep_backend`): `AllToAllDispatcher` over torch's all_to_all_single, `DeepEPDispatcher` over DeepEP.
-
-DeepEP (`parallel.ep_backend=deepep`): the all-to-all dispatcher's interface, with
-DeepEP's NVLink kernels (normal mode, intranode: every EP rank on one host, ep ∈ {2, 4, 8}) doing the exchange.
+(`parallel.ep_backend`): `AllToAllDispatcher` over torch's all_to_all_single, `DeepEPDispatcher` over DeepEP's
+NVLink kernels (normal mode, intranode: every EP rank on one host, ep ∈ {2, 4, 8}).
 
     get_dispatch_layout → dispatch → expand to expert rows → grouped GEMM → weight and reduce → combine
 
 DeepEP sends each token to a rank once, however many of its experts live there: `recv_x` [R, D] holds each
 received token once, `recv_topk_idx` [R, K] its top-k as *local* expert ids (−1: an expert on another rank).
-The expert side expands that to one row per (token, local expert), sorted by local expert for the grouped GEMM
-(`expert_rows`), and the experts weight each row by its gate weight and sum a token's rows back into one
-(`token_copies.TokenCopies.weights`): DeepEP's combine is an unweighted sum over ranks, so it then yields
-y_t = Σ_ranks Σ_{k on that rank} g_t,k · FFN_k(x_t) on the token's own rank.
-
-Autograd: dispatch's backward is a combine (of the gradients of recv_x and of the gate weights), combine's
-backward a dispatch with the cached handle. Both are torch.library ops (`dsv3::deepep_dispatch`, `deepep_combine`)
-that selective AC keeps, so an activation-checkpointed block's recompute does not exchange again. The one host sync
-is DeepEP's own: dispatch waits for the receive counts (as the all-to-all backend does for its split sizes). Combine
-runs asynchronously on DeepEP's stream so that the shared experts overlap it; `wait` joins it. One `deep_ep.Buffer`
-per process serves every MoE layer; `close()` frees it (train.py calls it before destroy_process_group; an atexit
-hook covers other entry points).
-Low-precision experts work too: groups are padded to `align` (`pad_order`), like the other dispatchers.
-
-Under torch.compile only the DeepEP calls (`_exchange`, `_start_combine`, `wait`) and, for padded groups, the
-choice of buffer size run eagerly (graph breaks); the expand, sort, gather, padding and weighted reduce compile
-with the block, like all_to_all's permutation.
+The expert side expands that to rows, one per (token, local expert), sorted by local expert (`expert_rows`), and
+the experts sum a token's rows back into one with the gate weights (`token_copies.TokenCopies.weights`): DeepEP's
+combine is an unweighted sum over ranks, so it then yields y_t = Σ_ranks Σ_{k on that rank} g_t,k · FFN_k(x_t) on
+the token's own rank. Both backends pad groups to `align` (`pad_order`). The autograd ops, the one host sync, the
+asynchronous combine, the buffer and what compiles: docs/deepep.md#how-the-dispatcher-works.
 """
 
 from __future__ import annotations
@@ -66,12 +52,9 @@ def host_splits(splits: torch.Tensor) -> list[int]:
 
 
 class AllToAllDispatcher:
-    """Expert parallelism over `group`: rank r holds experts [r·E_local, (r+1)·E_local).
-
-    route → counts per expert → exchange counts → exchange token copies (uneven splits) → sort by local
-    expert → grouped GEMM → the reverse. The split sizes must reach the host for all_to_all_single (`host_splits`).
-    `align` > 1 pads each local expert's group (`pad_order`), without another sync.
-    """
+    """Expert parallelism over `group`, rank r holding experts [r·E_local, (r+1)·E_local): exchange the counts,
+    then the rows (uneven splits, sized on the host: `host_splits`), sort them by local expert, and the reverse.
+    `align` > 1 pads each local expert's group (`pad_order`) without another sync."""
 
     def __init__(self, group: dist.ProcessGroup, n_experts: int, align: int = 1):
         self.group = group
@@ -180,11 +163,9 @@ def close() -> None:
 
 def expert_rows(recv_topk_idx: torch.Tensor, n_local: int, n_rows: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Expand received tokens to one row per (token, local expert), sorted by local expert.
-
-    recv_topk_idx [R, K]: local expert ids, −1 where the expert is on another rank; n_rows: how many ids are ≥ 0
-    (DeepEP's receive counts, already on the host). Returns (order [n_rows]: flat (token, k) slot of each row, so
-    its token is order // K; expert_of_row [n_rows]; tokens_per_local_expert [n_local]) with no host sync."""
+    """recv_topk_idx [R, K] (local expert ids, −1 on another rank; n_rows of them ≥ 0, already on the host) →
+    (`order` [n_rows], the slot of each row sorted by local expert; expert_of_row [n_rows];
+    tokens_per_local_expert [n_local]), with no host sync."""
     local = recv_topk_idx.flatten()
     local = torch.where(local >= 0, local, n_local)  # other ranks' experts sort after ours
     order = local.argsort(stable=True)[:n_rows]  # by local expert, then by received token
