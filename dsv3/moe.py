@@ -76,8 +76,9 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
 
     def forward(self, x: torch.Tensor | TokenCopies, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x [N, dim] sorted by expert, or a dispatcher's `TokenCopies` of such rows; tokens_per_expert [E] on
-        device (zeros allowed). Returns [N, dim] rows, or, for copies with `weights`, [T, dim] token sums."""
+        """x: the rows [N, dim] sorted by expert, or a dispatcher's `TokenCopies` (tokens and `order`) to gather
+        them from; tokens_per_expert [E] on device (zeros allowed). Returns the rows' outputs [N, dim], or, with
+        `weights`, each token's gate-weighted sum of its rows [T, dim]."""
         rows = x.gather() if isinstance(x, TokenCopies) else x  # [N, dim]
         w13, w2 = self.local_weights()
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)  # group ends, as _grouped_mm wants
@@ -94,8 +95,8 @@ class GroupedExperts(nn.Module):
 
 def swiglu(gate_up: torch.Tensor, triton_backward: bool = True) -> torch.Tensor:
     """silu(gate) · up of gate_up = [gate | up] [N, 2I]. On CUDA (below fp64), with `triton_backward`, its
-    backward is one Triton kernel (`dsv3.swiglu_kernel`), where inductor's ran at under half the bandwidth in the
-    step."""
+    backward is one Triton kernel (`dsv3.swiglu_kernel`), faster than inductor's
+    (docs/performance.md#what-makes-it-fast)."""
     if triton_backward and gate_up.is_cuda and gate_up.dtype != torch.float64:
         import dsv3.swiglu_kernel  # noqa: F401  registers torch.ops.dsv3.swiglu_backward before any tracing of it
 
@@ -194,11 +195,9 @@ def sequence_balance_loss(scores: torch.Tensor, topk_idx: torch.Tensor, topk: in
 
 @torch.no_grad()
 def update_expert_bias(routers: list[Router], tokens_per_expert: torch.Tensor, speed: float) -> None:
-    """Aux-loss-free balancing (eq. 16 ff.): b_i += γ·sign(mean load − load_i), after the optimizer step, centred
-    over the layer's experts (as torchtitan does) so that Σ_i b_i stays 0. Uncentred, the biases' mean drifts by
-    γ·(#under − #over)/E per step: no selection changes (top-k of s + b is shift-invariant), but over a long run the
-    biases grow far past the scores s ∈ [0, 1] they are added to, and those fp32 sums lose resolution.
-    `tokens_per_expert` [n_routers, E] must already be summed over the global batch (all ranks)."""
+    """Aux-loss-free balancing (eq. 16 ff.): b_i += γ·sign(mean load − load_i), centred so that Σ_i b_i stays 0
+    (docs/training.md#the-objective-and-the-optimizer says why). `tokens_per_expert` [n_routers, E] must already be
+    summed over the global batch (all ranks)."""
     for router, load in zip(routers, tokens_per_expert.float(), strict=True):
         step = torch.sign(load.mean() - load)  # [E]
         router.expert_bias += speed * (step - step.mean())
