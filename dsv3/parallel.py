@@ -132,12 +132,8 @@ def apply_fsdp(model: Transformer, meshes: Meshes, param_dtype: torch.dtype, red
     return unsharded
 
 
-# Selective AC keeps what is expensive to recompute (GEMM and attention outputs), recomputes the rest. It sees
-# the ops that run, and inside a compiled MoE block inductor runs the dense GEMMs as `mm.out` into its own
-# buffers, which SAC cannot hand back: there those are recomputed, the grouped GEMMs and attention kept.
-# Under fp8 the GEMMs are the scaled ones (torchao's dense `_scaled_mm`, dsv3.lowp.quant's `_scaled_grouped_mm` and
-# DeepGEMM's `fp8_block_grouped_mm`); their scales come from amax reductions (tensorwise `max`, rowwise `amax`) whose
-# small outputs are kept too, as torchtitan keeps `max`, so that recompute does not reduce whole activations again.
+# Selective AC keeps what is expensive to recompute: GEMM (bf16 and FP8) and attention outputs, and the FP8 scales'
+# amax reductions, small outputs of whole activations (docs/training.md#memory-and-speed-switches).
 _SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default,
              torch.ops.aten._scaled_mm.default, torch.ops.aten._scaled_grouped_mm.default,
              quant.fp8_block_grouped_mm._opoverload,
@@ -222,9 +218,8 @@ def apply_compile(model: Transformer, world: int, backend: str | Callable = "ind
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`host` (a CPU tensor) on `device`, without the CPU waiting for the GPU: a copy from pageable memory waits
-    until the GPU has done all the work queued before it, after which the GPU idles while the CPU launches the
-    next kernels. Pinned, the copy is queued like a kernel (the pinned buffer is kept until it has run)."""
+    """`host` (a CPU tensor) on `device` by way of pinned memory, so that the copy is queued like a kernel: from
+    pageable memory it would make the CPU wait for all the GPU's queued work, and the GPU then idle."""
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
