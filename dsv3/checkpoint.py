@@ -114,10 +114,9 @@ def step_of(path: Path) -> int:
 
 @contextlib.contextmanager
 def dcp_call() -> Iterator[None]:
-    """Around a dcp.save or dcp.load. DCP wraps a rank's error in CheckpointException, a BaseException that
-    `except Exception` misses and whose message is a traceback: the first failed rank's own error is raised instead
-    (a full disk stays an OSError, Ctrl-C a KeyboardInterrupt). Without a process group DCP warns that it assumes a
-    single process, even when told so: here that is the intent, so the warning is filtered."""
+    """Around a dcp.save or dcp.load: the first failed rank's own error is raised (a full disk stays an OSError), not
+    DCP's CheckpointException, a BaseException that `except Exception` misses; without a process group, DCP's
+    warning that it assumes one process is filtered, since that is the intent."""
     with warnings.catch_warnings():
         if not dist.is_initialized():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -130,10 +129,9 @@ def dcp_call() -> Iterator[None]:
 
 def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
          train_state: dict[str, Any], keep: int, checksums: bool = True, background: bool = False) -> Path:
-    """Model (expert biases included: they are buffers), optimizer, `train_state` (JSON: step, data-loader
-    position, ...; the same on every rank) and every rank's RNG state as `run_dir/step-{step}`, with its manifest,
-    unconfirmed; keeps the newest `keep` (and the newest confirmed one). `background`: only the copy to host memory
-    happens here; the write, the manifest and the rename run in a thread (`wait_for_save`), one save at a time."""
+    """Model (expert biases included), optimizer, `train_state` (JSON, the same on every rank) and each rank's RNG
+    state as `run_dir/step-{step}`, with its manifest, unconfirmed; keeps the newest `keep` and the newest confirmed.
+    `background`: the rest after the host copy in a thread (docs/training.md#checkpoints-that-do-not-stop-training)."""
     wait_for_save()  # never two in flight
     while _removing:  # the room an earlier rotation frees
         _removing.pop().join()
@@ -536,7 +534,7 @@ class _DataOnlyPlanner(DefaultLoadPlanner):
 def _code_in(path: Path) -> str | None:
     """What in checkpoint `path` would run code or fail to unpickle when loaded (a planted pickle), or None. Each
     entry's pickle is read alone: a tensor's through torch's weights-only unpickler with its storage left on the
-    meta device, so a check of a 17 GB checkpoint reads kilobytes."""
+    meta device, so a check never reads the tensor bytes."""
     try:
         metadata = _DataOnlyReader(str(path)).read_metadata()
     except Exception as e:  # a damaged pickle fails in many ways
