@@ -7,10 +7,9 @@ from dsv3.config import ModelConfig
 
 
 def active_matmul_params(cfg: ModelConfig) -> int:
-    """N_matmul_active: the matmul weights one token passes through (forward), embedding lookup excluded.
-
-    Per layer `layer_matmul_params`; output head d·vocab. Each MTP depth adds eh_proj (2d·d), one MoE block and
-    the head once more (the shared head is applied again to its hidden states)."""
+    """N_matmul_active: the matmul weights one token passes through (forward), embedding lookup excluded: each
+    layer's `layer_matmul_params`, the head d·vocab, and per MTP depth eh_proj (2d·d), one MoE block and the shared
+    head once more."""
     d = cfg.dim
     head = d * cfg.vocab_size
     n_moe = cfg.n_layers - cfg.n_dense_layers
@@ -50,9 +49,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
         6·N_matmul_active + 3·L·H·(d_n + d_r + d_v)·S,   L = n_layers + n_mtp_layers
 
-    6·N: 2 FLOPs per multiply-add forward, 4 backward; the second term is `attention_flops_per_token` per layer.
-    MTP blocks count (they run attention too; depth k sees S-k positions, counted as S). Anchor: the 16B flavor cut
-    to 4 layers (1 dense + 3 MoE, no MTP) at S = 4096 gives 3.49 GFLOP/token (tests/test_metrics.py)."""
+    6·N: 2 FLOPs per multiply-add forward, 4 backward; then `attention_flops_per_token` per layer, MTP blocks
+    included (depth k sees S-k positions, counted as S). The 16B cut's figure: docs/performance.md#performance."""
     n_attention_layers = cfg.n_layers + cfg.n_mtp_layers
     return float(6 * active_matmul_params(cfg) + n_attention_layers * attention_flops_per_token(cfg, seq_len))
 
