@@ -264,14 +264,9 @@ def _hf_target(name: str, cfg: ModelConfig) -> Target | None:
 
 
 class FromHF:
-    """Converts an HF state dict to ours one tensor at a time, so a converter never holds the whole model.
-
-    `add(name, tensor)` returns the dsv3 tensors this HF tensor completes: usually one; none for the MTP
-    layers' copies of the embedding and head; for per-expert tensors, none until the last one of a stack
-    arrives (each is copied into a preallocated [E, ...] stack, so only unfinished stacks are held).
-    `finish()` raises one ValueError listing every unknown and missing key (a wrong shape raises at once) and
-    returns what the checkpoint may leave out.
-    """
+    """An HF state dict to ours one tensor at a time: `add(name, tensor)` returns the dsv3 tensors it completes
+    (none for MTP's copies of embedding and head, none until an expert stack's last arrives); `finish()` raises
+    one ValueError listing unknown and missing keys, and returns what may be left out (docs/hf.md#the-converter)."""
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
@@ -463,10 +458,9 @@ def _scale_shape(weight_shape: Sequence[int], block: tuple[int, int]) -> tuple[i
 
 def fp8_scales(dtypes: Mapping[str, str], shapes: Mapping[str, Sequence[int]],
                block: tuple[int, int] | None) -> dict[str, str]:
-    """Pairs each FP8 weight with its scale (weight name → scale name), from the safetensors headers' dtypes
-    ("F8_E4M3", "BF16", ...) and shapes, before anything is read. Raises one ValueError listing what does not
-    pair up: FP8 weights without a quantization_config, in another FP8 format, without their weight_scale_inv,
-    with a scale not of ceil(weight shape / block) blocks; scales without an FP8 weight."""
+    """Each FP8 weight's scale (weight name → scale name), from the safetensors headers' dtypes and shapes, before
+    anything is read; one ValueError lists what does not pair up (no quantization_config, another FP8 format, a
+    missing weight_scale_inv or one not of ceil(shape / block) blocks, a scale without an FP8 weight)."""
     fp8 = {name for name, dtype in dtypes.items() if dtype.startswith("F8_")}
     if fp8 and block is None:
         raise ValueError(f"{len(fp8)} FP8 tensors ({_listing(sorted(fp8))}) but config.json has no "
