@@ -30,10 +30,9 @@ from dsv3.tokenizer import Tokenizer
 
 
 def check_init_from(cfg: Config) -> str:
-    """Refuse, before anything is built, a checkpoint.init_from that holds no dsv3 weights (no safetensors at all,
-    or a Hugging Face checkpoint) or a [model] override that changes the shape of a saved tensor. Returns the
-    banner's line: where weights and model come from, and each field that differs from the run's flavor and the
-    overrides (which need no shape change: RoPE, routing)."""
+    """Refuse, before anything is built, a checkpoint.init_from without dsv3 weights (no safetensors, or HF's) or a
+    [model] override that reshapes a saved tensor. Returns the banner's line: where weights and model come from,
+    and each field that differs from the flavor and the overrides (which reshape nothing: RoPE, routing)."""
     path = cfg.checkpoint.init_from
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
@@ -91,12 +90,9 @@ def load_weights(path: str | Path, model: nn.Module) -> None:
 
 
 def export(out_dir: str | Path, model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer | None = None) -> None:
-    """Write the model as HF-style safetensors with dsv3 names and full tensors (`model-0000i-of-0000N.safetensors`,
-    one file per block and one for the rest, + `model.safetensors.index.json`), `config.json` (ModelConfig
-    fields) and the tokenizer it was trained with, atomically: into `out_dir.tmp/`, renamed when complete.
-
-    No process ever holds the whole model (a 671B one is 2.7 TB in fp32): every rank writes its own shards, then
-    every rank assembles its share of the files from them, one tensor at a time."""
+    """The model as HF-style safetensors (dsv3 names, full tensors, a file per block and one for the rest), with
+    `config.json` and the tokenizer, atomically: into `out_dir.tmp/`, renamed when complete. No rank holds the whole
+    model (docs/training.md#the-run-directory-checkpoints-and-resuming)."""
     wait_for_save()  # a checkpoint still writing in the background comes first: the disk holds both
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
