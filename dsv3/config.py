@@ -163,26 +163,28 @@ def load_config_json(path: str | Path) -> ModelConfig:
     return ModelConfig(**d)
 
 
-def hf_checkpoint_error(path: str | Path) -> UserError:
-    return UserError(f"checkpoint.init_from={path} is a Hugging Face checkpoint: convert it first with "
-                     f"python scripts/convert_hf.py --to-dsv3 {path} OUT_DIR, then pass --checkpoint.init_from=OUT_DIR")
+def hf_checkpoint_error(path: str | Path, then: str = "pass --checkpoint.init_from=OUT_DIR") -> UserError:
+    return UserError(f"{path} is a Hugging Face checkpoint: convert it first with python scripts/convert_hf.py "
+                     f"--to-dsv3 {path} OUT_DIR, then {then}")
 
 
-def saved_model_config(weights_dir: str | Path) -> ModelConfig | None:
-    """The model a checkpoint.init_from directory's config.json describes; None where it has none."""
+def saved_model_config(weights_dir: str | Path,
+                       then: str = "pass --checkpoint.init_from=OUT_DIR") -> ModelConfig | None:
+    """The model a weights directory's config.json describes (checkpoint.init_from's, generate.py's); None where it
+    has none. `then`: what to do with the conversion of a Hugging Face directory."""
     path = Path(weights_dir) / "config.json"
     if not path.is_file():
         return None
     try:
         d = json.loads(path.read_text())
     except ValueError as e:
-        raise UserError(f"checkpoint.init_from: {path} is not JSON ({e}); export or convert it again") from None
+        raise UserError(f"{path} is not JSON ({e}); export or convert it again") from None
     if "model_type" in d:  # HF's config.json; ours holds ModelConfig fields only
-        raise hf_checkpoint_error(weights_dir)
+        raise hf_checkpoint_error(weights_dir, then)
     try:
         return load_config_json(path)
     except ValueError as e:
-        raise UserError(f"checkpoint.init_from: {e}") from None
+        raise UserError(str(e)) from None
 
 
 @dataclass

@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from dsv3.config import Config, UserError
+from dsv3.config import Config, ModelConfig, UserError
 from dsv3.flops import parameter_counts
 from dsv3.safeopen import append_line, open_no_follow
 
@@ -44,6 +44,7 @@ def startup_banner(cfg: Config, world: int, device: torch.device, memory_plan: s
     lines = [f"model   {cfg.checkpoint.init_from or cfg.flavor}: {count(total)} parameters, {count(activated)} "
              f"activated per token; {mc.n_layers} layers ({mc.n_dense_layers} dense), {mc.n_routed_experts} routed "
              f"experts top-{mc.n_activated_experts}, MTP depth {mc.n_mtp_layers}",
+             *_vocabulary_note(mc, total),
              f"batch   {t.global_batch} sequences × {t.seq_len} tokens = {t.global_batch * t.seq_len:,} tokens/step, "
              f"{t.steps} steps; {micro_batches} × {t.micro_batch} sequences per rank and step",
              f"layout  world {world} on {device.type}, ep {p.ep} ({p.ep_backend}); precision {precision}; "
@@ -53,6 +54,17 @@ def startup_banner(cfg: Config, world: int, device: torch.device, memory_plan: s
     lines.append(f"data    {data}")
     lines.append(f"run dir {cfg.checkpoint.dir}")
     return "\n".join(lines)
+
+
+def _vocabulary_note(mc: ModelConfig, total: int) -> list[str]:
+    """A line when the embedding and head outweigh the layers (a large tokenizer on a small model): a step then
+    costs mostly the head, which a newcomer on a CPU would otherwise learn minutes into the run."""
+    embedding = 2 * mc.vocab_size * mc.dim  # the embedding and the output head
+    if embedding <= 0.75 * total:
+        return []
+    return [f"vocab   {mc.vocab_size:,} tokens: the embedding and output head are {embedding / total:.0%} of the "
+            "parameters and most of each step; for a faster run, tokenize with a smaller vocabulary "
+            "(scripts/train_tokenizer.py --vocab-size 4096, then scripts/prepare_data.py --tokenizer)"]
 
 
 def run_summary(run_dir: str, last_checkpoint: str | None, export_dir: str | None, resume: str, steps: int) -> str:
@@ -185,7 +197,7 @@ def _rewind(path: str, start_step: int) -> float:
 class MetricsLogger:
     """Appends one JSON line per `log` to run_dir/metrics.jsonl, first rewound to `start_step` (a resumed run redoes
     those rows), prints a console line and logs to W&B when use_wandb; enabled=False (non-zero ranks): a no-op. Rows
-    carry `time` (Unix s) and `elapsed_s` (across resumes); the ETA is the step rate since the first `log`."""
+    carry `time` and `elapsed_s` (across resumes); the ETA: the step rate since the first `log` (at it, since start)."""
 
     def __init__(self, run_dir: str, config: dict, enabled: bool = True, use_wandb: bool = False,
                  project: str = "dsv3", run_name: str = "", total_steps: int | None = None, start_step: int = 0):
@@ -198,7 +210,6 @@ class MetricsLogger:
         os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(run_dir, "metrics.jsonl")
         self._elapsed_before = _rewind(path, start_step)
-        self._started = time.perf_counter()
         self._jsonl = open_no_follow(path, "a")
         expert_path = os.path.join(run_dir, "expert_load.jsonl")
         _rewind(expert_path, start_step)
@@ -210,17 +221,17 @@ class MetricsLogger:
                 print(f"W&B: no API key configured (WANDB_API_KEY or ~/.netrc), logging offline under "
                       f"{run_dir}/wandb; upload later with `wandb sync`", flush=True)
             self._wandb = wandb.init(project=project, name=run_name or None, config=config, dir=run_dir, mode=mode)
+        self._started, self._start_step = time.perf_counter(), start_step  # after W&B's start: no step's time
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
         now = time.perf_counter()
+        since = self._first or (self._start_step, self._started)  # the first line: its own steps, warm-up included
+        self._first = self._first or (step, now)
         eta_s = None
-        if self._first is None:
-            self._first = (step, now)
-        elif self.total_steps and step > self._first[0]:
-            first_step, first_time = self._first
-            eta_s = max(self.total_steps - step, 0) * (now - first_time) / (step - first_step)
+        if self.total_steps and step > since[0]:
+            eta_s = max(self.total_steps - step, 0) * (now - since[1]) / (step - since[0])
         values = {key: float(value) for key, value in metrics.items()}
         stamps = {"time": round(time.time(), 3), "elapsed_s": round(self._elapsed_before + now - self._started, 3)}
         append_line(self._jsonl, json.dumps({"step": step, **values, **stamps}) + "\n")  # readable while it runs

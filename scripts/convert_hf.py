@@ -78,11 +78,38 @@ def find_shards(src: Path) -> list[Path]:
     return shards
 
 
-def config_path(src: Path) -> Path:
+def source_config(src: Path, hf: bool) -> dict:
+    """src's config.json, once src is known to be a directory in the format this direction reads (Hugging Face's
+    where `hf`, else dsv3's): checked before any shard is opened."""
+    if not src.is_dir():
+        raise UserError(f"{src} {'is not a directory' if src.exists() else 'does not exist'}; pass a checkpoint "
+                        "directory (config.json + *.safetensors)")
+    if (src / ".metadata").is_file():  # DCP's: a train.py checkpoint, step-N/
+        raise UserError(f"{src} is a training checkpoint, which convert_hf.py does not read: convert its run's "
+                        f"export, {src.parent / 'export'} (train.py writes it when the run ends)")
     path = src / "config.json"
-    if not path.exists():
+    if not path.is_file():
         raise UserError(f"{path} not found: a checkpoint directory needs its config.json beside the shards.")
-    return path
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as e:
+        raise UserError(f"{path} is not JSON ({e}): restore it from where the checkpoint came from") from None
+    if hf and "model_type" not in config:  # ours holds ModelConfig fields only
+        raise UserError(f"{src} is in dsv3's format already (its config.json has no model_type): train from it "
+                        f"with --checkpoint.init_from={src}, or convert it for transformers with --to-hf")
+    if not hf and "model_type" in config:
+        raise UserError(f"{src} is a Hugging Face checkpoint (model_type {config['model_type']}): convert it to "
+                        f"dsv3's format with --to-dsv3 {src} OUT_DIR")
+    return config
+
+
+@contextmanager
+def describing(src: Path) -> Iterator[None]:
+    """A mismatch between the shards' names or shapes and config.json, said of src's config.json."""
+    try:
+        yield
+    except ValueError as e:
+        raise UserError(f"{src / 'config.json'} does not describe the shards beside it: {e}") from None
 
 
 class Header(NamedTuple):
@@ -207,7 +234,7 @@ def copy_tokenizer(src: Path, out: Path) -> None:
 
 
 def to_dsv3(src: Path, out: Path, max_bytes: int) -> None:
-    hf_config = json.loads(config_path(src).read_text())
+    hf_config = source_config(src, hf=True)
     cfg, block = config_from_hf(hf_config), fp8_block_size(hf_config)
     shards = find_shards(src)
     headers = read_headers(shards)
@@ -217,7 +244,8 @@ def to_dsv3(src: Path, out: Path, max_bytes: int) -> None:
     if cfg.n_mtp_layers and not any(n.startswith(f"model.layers.{cfg.n_layers}.") for n in shapes):
         print(f"{src} has no MTP layers (transformers does not save them): converting with n_mtp_layers=0")
         cfg = dataclasses.replace(cfg, n_mtp_layers=0)
-    check_hf_keys(shapes, cfg)  # fail before writing anything
+    with describing(src):
+        check_hf_keys(shapes, cfg)  # fail before writing anything
     check_output(out)
     with staged(out) as tmp:
         importer, writer = FromHF(cfg), ShardWriter(tmp, max_bytes)
@@ -233,10 +261,12 @@ def to_dsv3(src: Path, out: Path, max_bytes: int) -> None:
 
 def to_hf(src: Path, out: Path, max_bytes: int, fused_experts: bool, allow_lossy: bool = False,
           no_mtp: bool = False) -> None:
-    cfg = load_config_json(config_path(src))
+    source_config(src, hf=False)
+    cfg = load_config_json(src / "config.json")
     shards = find_shards(src)
     shapes = {n: h.shape for n, h in read_headers(shards).items()}
-    check_dsv3_keys(shapes, cfg)
+    with describing(src):
+        check_dsv3_keys(shapes, cfg)
     check_hf_represents(cfg, expert_biases(shards), allow_lossy)
     check_output(out)
     left_out = {key for key in shapes if key.startswith("mtp.")} if no_mtp else set()

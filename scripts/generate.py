@@ -65,7 +65,7 @@ def load_model(path: Path, config: str | None, overrides: list[str],
     if not exported and (path / ".metadata").is_file() and (problem := checkpoint.verify(path)):
         raise UserError(f"{path} cannot be loaded: {problem}")  # before its train.json is read
     if exported:
-        cfg, tokenizer = saved_model_config(path), find_tokenizer(path)
+        cfg, tokenizer = saved_model_config(path, then="sample from OUT_DIR"), find_tokenizer(path)
     elif not (path / ".metadata").is_file():
         raise UserError(f"{path} is neither an export (config.json + safetensors) nor a checkpoint (step-N/): "
                         "pass runs/NAME/export or runs/NAME/step-N")

@@ -102,6 +102,19 @@ def test_a_config_for_another_model_is_refused_before_any_model_is_built(tmp_pat
         main([str(saved), "--config", "configs/16b_4layer.toml", "--device", "cpu"])
 
 
+def test_a_hugging_face_directory_is_refused_naming_the_conversion_before_building(exported, tmp_path,
+                                                                                     monkeypatch):
+    """A run's convert_hf.py output handed to generate.py: the line says to convert back, in generate.py's words (it
+    named checkpoint.init_from, a train.py key)."""
+    import scripts.generate as generate_script
+    convert_hf.main(["--to-hf", str(exported), str(tmp_path / "hf")])
+    monkeypatch.setattr(generate_script, "Transformer", lambda *a: pytest.fail("built a model"))
+    with pytest.raises(UserError, match=rf"^{tmp_path / 'hf'} is a Hugging Face checkpoint: convert it first with "
+                                        rf"python scripts/convert_hf.py --to-dsv3 {tmp_path / 'hf'} OUT_DIR, then "
+                                        r"sample from OUT_DIR$"):
+        main([str(tmp_path / "hf"), "--device", "cpu"])
+
+
 def test_a_checkpoint_is_verified_before_its_train_json_is_read(tmp_path):
     saved = _checkpoint(tmp_path, {"step": 5, "config": {}})
     train_json = saved / checkpoint.TRAIN_STATE

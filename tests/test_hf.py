@@ -364,6 +364,88 @@ def test_convert_script_errors_are_clear(tmp_path):
     assert not (tmp_path / "out").exists()  # checked before anything is written
 
 
+def dsv3_and_hf_checkpoints(tmp_path):
+    """A dsv3 checkpoint of TINY at tmp_path/dsv3 and its HF conversion at tmp_path/hf."""
+    (tmp_path / "dsv3").mkdir()
+    save_file(random_ours(), tmp_path / "dsv3" / "model.safetensors")
+    save_config(TINY, tmp_path / "dsv3" / "config.json")
+    convert_hf.main(["--to-hf", str(tmp_path / "dsv3"), str(tmp_path / "hf")])
+    return tmp_path / "dsv3", tmp_path / "hf"
+
+
+def refused_before_any_shard_is_read(argv: list[str], match: str, monkeypatch) -> None:
+    monkeypatch.setattr(convert_hf, "read_headers", lambda *a: pytest.fail("read the shards"))
+    with pytest.raises(UserError, match=match):
+        convert_hf.main(argv)
+
+
+@pytest.mark.parametrize("direction", ["--to-hf", "--to-dsv3"])
+def test_a_source_that_is_no_directory_is_named_before_anything_is_read(tmp_path, monkeypatch, direction):
+    (tmp_path / "file").write_text("")
+    out = str(tmp_path / "out")
+    refused_before_any_shard_is_read([direction, str(tmp_path / "nope"), out],
+                                     r"^\S+nope does not exist; pass a checkpoint directory", monkeypatch)
+    refused_before_any_shard_is_read([direction, str(tmp_path / "file"), out], r"^\S+file is not a directory",
+                                     monkeypatch)
+
+
+@pytest.mark.parametrize("direction", ["--to-hf", "--to-dsv3"])
+def test_a_training_checkpoint_is_refused_naming_its_runs_export(tmp_path, monkeypatch, direction):
+    """runs/NAME/step-N is DCP's format, which convert_hf.py does not read: the line names the export beside it."""
+    step = tmp_path / "runs" / "debug" / "step-200"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    (step / "train.json").write_text("{}")
+    refused_before_any_shard_is_read([direction, str(step), str(tmp_path / "out")],
+                                     rf"^{step} is a training checkpoint.*convert its run's export, "
+                                     rf"{tmp_path / 'runs' / 'debug' / 'export'} ", monkeypatch)
+
+
+def test_each_direction_refuses_the_other_ones_format(tmp_path, monkeypatch):
+    dsv3, hf = dsv3_and_hf_checkpoints(tmp_path)
+    refused_before_any_shard_is_read(["--to-hf", str(hf), str(tmp_path / "out")],
+                                     rf"^{hf} is a Hugging Face checkpoint \(model_type deepseek_v3\): convert it "
+                                     rf"to dsv3's format with --to-dsv3 {hf} OUT_DIR$", monkeypatch)
+    refused_before_any_shard_is_read(["--to-dsv3", str(dsv3), str(tmp_path / "out")],
+                                     rf"^{dsv3} is in dsv3's format already .*--checkpoint.init_from={dsv3}, or "
+                                     r"convert it for transformers with --to-hf$", monkeypatch)
+
+
+def test_a_config_json_that_is_not_json_is_named(tmp_path, monkeypatch):
+    dsv3, _ = dsv3_and_hf_checkpoints(tmp_path)
+    (dsv3 / "config.json").write_text("{ oops")
+    refused_before_any_shard_is_read(["--to-hf", str(dsv3), str(tmp_path / "out")],
+                                     rf"^{dsv3 / 'config.json'} is not JSON \(.*\): restore it", monkeypatch)
+
+
+@pytest.mark.parametrize("direction", ["--to-hf", "--to-dsv3"])
+def test_an_output_that_exists_is_refused_before_any_tensor_is_read(tmp_path, monkeypatch, direction):
+    dsv3, hf = dsv3_and_hf_checkpoints(tmp_path)
+    src, out = (dsv3, hf) if direction == "--to-hf" else (hf, dsv3)  # each the other's existing output
+    monkeypatch.setattr(convert_hf, "read_tensors", lambda *a, **k: pytest.fail("read the tensors"))
+    with pytest.raises(UserError, match=rf"^{out} already exists and is not an empty directory; pick a new"):
+        convert_hf.main([direction, str(src), str(out)])
+
+
+@pytest.mark.parametrize("direction", ["--to-hf", "--to-dsv3"])
+def test_a_config_json_of_another_model_than_its_shards_is_named_before_any_tensor_is_read(tmp_path, monkeypatch,
+                                                                                            direction):
+    """The debug model's config.json beside TINY's shards: which tensor disagrees, said of that config.json, from
+    the safetensors headers alone."""
+    dsv3, hf = dsv3_and_hf_checkpoints(tmp_path)
+    src = dsv3 if direction == "--to-hf" else hf
+    if direction == "--to-hf":
+        save_config(FLAVORS["debug"], src / "config.json")
+    else:
+        (src / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["debug"])))
+    monkeypatch.setattr(convert_hf, "read_tensors", lambda *a, **k: pytest.fail("read the tensors"))
+    with pytest.raises(UserError, match=rf"^{src / 'config.json'} does not describe the shards beside it: "
+                                        r"\S*(embed|lm_head)\.weight has shape \(64, 32\); the config needs "
+                                        r"\(4096, 128\)"):
+        convert_hf.main([direction, str(src), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
 def test_convert_script_reads_and_writes_transformers_checkpoints(tmp_path):
     """save_pretrained (per-expert shards, no MTP layers) → dsv3 → same logits → from_pretrained, both layouts."""
     torch.manual_seed(0)

@@ -68,6 +68,19 @@ def test_banner_says_what_trains_how_and_where():
     assert re.search(r"\nmemory  plan: [\d.]+ GiB per GPU of 139\.0", banner)
     assert "\ndata    web 100% (data/web: 1,000M tokens, 0.5 epochs in this run)\nrun dir runs/big" in banner
     assert "GiB" not in startup_banner(cfg, 16, torch.device("cuda", 0), None, "")  # no planner estimate, no line
+    assert "vocab" not in banner  # 3.7B of 683B parameters
+
+
+def test_banner_says_when_the_vocabulary_outweighs_the_model():
+    """DeepSeek's 129k tokenizer on the debug model: 97% of its 34M parameters are the embedding and head, which a
+    step on a CPU spends most of its time in; the banner says so and how to change it."""
+    big = load_config(None, ["--flavor=debug", "--model.vocab_size=129280"])
+    banner = startup_banner(big, 1, torch.device("cpu"), None, "")
+    assert "debug: 34.2M parameters" in banner
+    assert ("\nvocab   129,280 tokens: the embedding and output head are 97% of the parameters and most of each step; "
+            "for a faster run, tokenize with a smaller vocabulary (scripts/train_tokenizer.py --vocab-size 4096, then "
+            "scripts/prepare_data.py --tokenizer)\nbatch ") in banner
+    assert "vocab" not in startup_banner(load_config(None, ["--flavor=debug"]), 1, torch.device("cpu"), None, "")
 
 
 def test_flops_grow_with_seq_len_by_exactly_the_attention_term():
@@ -156,15 +169,24 @@ def test_a_resume_skips_bad_metrics_lines_with_one_warning(tmp_path, capsys):
     assert capsys.readouterr().err == f"warning: {tmp_path / 'metrics.jsonl'}: skipped 4 unreadable line(s)\n"
 
 
-def test_eta_uses_the_average_rate_since_the_first_log_call(tmp_path, capsys, monkeypatch):
-    clock = iter([0.0, 0.0, 10.0, 11.0, 100.0])  # the logger's start, then steps 10, 20, 30 and 40
+def test_eta_is_on_the_first_line_then_the_average_rate_since_it(tmp_path, capsys, monkeypatch):
+    """The first line's rate is its own steps' since the logger started (warm-up included), the later lines' the
+    average since the first line, which leaves the warm-up out."""
+    clock = iter([0.0, 5.0, 10.0, 11.0, 100.0])  # the logger's start, then steps 10, 20, 30 and 40
     monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
     logger = MetricsLogger(str(tmp_path), {}, total_steps=100)
     for step in (10, 20, 30, 40):
         logger.log(step, {"loss": 1.0})
-    etas = [line.split("eta ")[-1] for line in capsys.readouterr().out.splitlines()[1:]]
-    # 10 s, 11 s, then 100 s since step 10: 1, 0.55, then 3.33 s a step for the remaining 80, 70, 60 steps
-    assert etas == ["0:01:20", "0:00:38", "0:03:20"]
+    etas = [line.split("eta ")[-1] for line in capsys.readouterr().out.splitlines()]
+    # 0.5 s a step over the first 10; since step 10: 5 s, 6 s and 95 s, i.e. 0.5, 0.3 and 3.17 s a step
+    assert etas == ["0:00:45", "0:00:40", "0:00:21", "0:03:10"]
+
+
+def test_a_resumed_run_has_an_eta_from_its_first_step(tmp_path, capsys, monkeypatch):
+    clock = iter([0.0, 3.0])  # the logger's start, then step 501, the first this run trains
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    MetricsLogger(str(tmp_path), {}, total_steps=1000, start_step=500).log(501, {"loss": 1.0})
+    assert capsys.readouterr().out.endswith(" | eta 0:24:57\n")  # 499 steps left at 3 s
 
 
 def test_divergence_guard_stops_on_a_spike_against_the_running_mean_or_a_nan():
@@ -195,8 +217,8 @@ def test_console_line_shows_the_logged_values(tmp_path, capsys):
     logger.log(120, full)
     logger.close()
     first, second = capsys.readouterr().out.splitlines()
-    assert first == ("step 110/1000 | loss 5.123 mtp 5.400 bal 1.02 | lr 3.0e-04 | gnorm 0.91 | 12.3k tok/s"
-                     " | mfu 31.2% | mem 42.1 GiB")  # no ETA before a step rate is known
+    assert first.startswith("step 110/1000 | loss 5.123 mtp 5.400 bal 1.02 | lr 3.0e-04 | gnorm 0.91 | 12.3k tok/s"
+                            " | mfu 31.2% | mem 42.1 GiB | eta 0:")
     assert second.startswith("step 120/1000 | loss 5.123") and " | eta 0:" in second
 
 

@@ -502,7 +502,7 @@ def test_init_from_a_hugging_face_checkpoint_names_the_conversion_before_buildin
     (hf_dir / "config.json").write_text(json.dumps(config_to_hf(FLAVORS["debug"])))
     save_file({"model.embed_tokens.weight": torch.zeros(4096, 128)}, hf_dir / "model-00001-of-00001.safetensors")
     monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
-    with pytest.raises(UserError, match=rf"^checkpoint.init_from={hf_dir} is a Hugging Face checkpoint: convert it "
+    with pytest.raises(UserError, match=rf"^{hf_dir} is a Hugging Face checkpoint: convert it "
                                         rf"first with python scripts/convert_hf.py --to-dsv3 {hf_dir} OUT_DIR, then "
                                         r"pass --checkpoint.init_from=OUT_DIR$"):
         run(tmp_path / "run", *TINY, f"--checkpoint.init_from={hf_dir}")
