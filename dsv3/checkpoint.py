@@ -133,8 +133,7 @@ def save(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.opti
     state as `run_dir/step-{step}`, with its manifest, unconfirmed; keeps the newest `keep` and the newest confirmed.
     `background`: the rest after the host copy in a thread (docs/training.md#checkpoints-that-do-not-stop-training)."""
     wait_for_save()  # never two in flight
-    while _removing:  # the room an earlier rotation frees
-        _removing.pop().join()
+    _wait_for_removals()  # the room an earlier rotation frees
     run_dir = Path(run_dir)
     final, tmp = run_dir / f"step-{step}", run_dir / f"step-{step}.tmp"
     for path in (tmp, final):  # the save would go to a link's target
@@ -323,6 +322,7 @@ def discard_after(run_dir: str | Path, step: int) -> Path | None:
 
 def _rotate(run_dir: Path, keep: int) -> None:
     """Delete all but the newest `keep` checkpoints, never the newest confirmed one."""
+    _wait_for_removals()  # no two threads deleting the same `*.removed`
     found = checkpoints(run_dir)
     confirmed = [p for p in found if is_confirmed(p)]
     doomed = [p for p in found[:-keep] if not confirmed or p != confirmed[-1]] if keep > 0 else []
@@ -340,6 +340,11 @@ def _rotate(run_dir: Path, keep: int) -> None:
 
 _REMOVED = ".removed"
 _removing: list[threading.Thread] = []  # rotations deleting old checkpoints
+
+
+def _wait_for_removals() -> None:
+    while _removing:
+        _removing.pop().join()
 
 
 def _remove_all(paths: list[Path]) -> None:
