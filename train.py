@@ -430,6 +430,8 @@ def main(argv: list[str] | None = None) -> None:
         values, tokens_per_expert = train_step(model, optimizer, batch, t, step,
                                                cfg.parallel.accumulate_unsharded_grads)
         run.stepped(step, values, global_batch * t.seq_len)
+        if step == run.start_step + 1 and cfg.checkpoint.every and cfg.checkpoint.async_save:
+            checkpoint.prepare_background_save(model, optimizer)  # the host buffers, while the next steps run
         stopping = stop.agreed() if step < t.steps else None  # every rank alike: log this step, save it, leave
 
         if step % cfg.log.every == 0 or step in (t.steps, run.start_step + 1) or stopping:  # +1: first sign of life

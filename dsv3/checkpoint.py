@@ -201,16 +201,39 @@ def _background_group() -> Any:
 
 class _HostCopy(AsyncStager):
     """The background save's copy to host memory, complete when `stage` returns (the next optimizer step may change
-    the weights): non-blocking copies, one device sync, into host buffers pinned on CUDA, allocated by the first save
-    and reused by every later one. # torch 2.11: its DefaultStager drops them after every save (2.13 keeps them)."""
+    the weights): non-blocking copies, one device sync, into host buffers pinned on CUDA, allocated by `prepare` or the
+    first save and reused by every later one. # torch 2.11: its DefaultStager drops them after every save."""
 
     _synchronize_after_execute = False  # nothing left to wait for once `stage` returned
 
     def __init__(self) -> None:
         self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         self.copier = StateDictStager(pin_memory=self.cuda, share_memory=False)
+        self.preparing: threading.Thread | None = None
+        self.prepare_error: BaseException | None = None
+
+    def prepare(self, state_dict: dict[str, Any]) -> None:
+        """Allocate (and pin) the host buffers in a thread, while training goes on: a first copy into them on a
+        stream of its own, whose values are never read (the training changes the weights meanwhile)."""
+
+        def allocate() -> None:
+            try:
+                with torch.cuda.stream(torch.cuda.Stream()) if self.cuda else contextlib.nullcontext():
+                    self.copier.stage(state_dict, non_blocking=self.cuda)
+                    if self.cuda:
+                        torch.cuda.current_stream().synchronize()
+            except BaseException as e:  # raised again by the first save
+                self.prepare_error = e
+
+        self.preparing = threading.Thread(target=allocate, name="dsv3-pin-host-buffers", daemon=True)
+        self.preparing.start()
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self.preparing is not None:
+            self.preparing.join()
+            self.preparing, error, self.prepare_error = None, self.prepare_error, None
+            if error is not None:
+                raise error
         staged = self.copier.stage(state_dict, non_blocking=self.cuda)
         if self.cuda:
             torch.cuda.synchronize()
@@ -222,6 +245,12 @@ def _stager() -> _HostCopy:
     if _staging is None:
         _staging = _HostCopy()
     return _staging
+
+
+def prepare_background_save(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Start allocating the background save's host buffers, so that the first save only copies; call it once the
+    optimizer holds its state (after a step)."""
+    _stager().prepare({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)})
 
 
 def wait_for_save() -> None:

@@ -105,6 +105,46 @@ def test_background_saves_copy_into_the_host_buffers_of_the_first(tmp_path, monk
     assert buffers[0] == buffers[1] == buffers[2]
 
 
+def test_host_buffers_allocated_ahead_take_the_first_save_and_its_weights(tmp_path, monkeypatch):
+    """train.py allocates the host buffers in a thread after its first step: the first save copies into them, and
+    holds the weights of its own step, not those of the allocation's step."""
+    staged, stage = [], checkpoint.StateDictStager.stage
+
+    def recording(self, state_dict, **kwargs):
+        staged.append(stage(self, state_dict, **kwargs))
+        return staged[-1]
+
+    monkeypatch.setattr(checkpoint.StateDictStager, "stage", recording)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()  # the optimizer's state exists
+    checkpoint.prepare_background_save(model, optimizer)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # a step while the thread allocates
+    saved = {name: value.clone() for name, value in model.state_dict().items()}
+    checkpoint.save(tmp_path, 2, model, optimizer, {"step": 2}, keep=2, background=True)
+    checkpoint.wait_for_save()
+    allocated, first = ([t.data_ptr() for t in sorted(s["model"].values(), key=torch.Tensor.data_ptr)] for s in staged)
+    assert len(staged) == 2 and allocated == first
+    checkpoint.load_model(tmp_path / "step-2", model)
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in saved.items())
+
+
+def test_a_failed_allocation_ahead_fails_the_first_save(tmp_path, monkeypatch):
+    def out_of_memory(self, state_dict, **kwargs):
+        raise RuntimeError("cudaHostRegister: out of memory")
+
+    monkeypatch.setattr(checkpoint.StateDictStager, "stage", out_of_memory)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    checkpoint.prepare_background_save(model, optimizer)
+    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+        checkpoint.save(tmp_path, 1, model, optimizer, {"step": 1}, keep=2, background=True)
+    assert not (tmp_path / "step-1.tmp").exists()
+
+
 def test_the_background_write_never_waits_for_the_device(tmp_path, monkeypatch):
     """The staged tensors are host memory: DCP's default loader would copy them again and, from the writer thread,
     sync the training's stream every 10 MB (on a CPU build, any use of CUDA fails)."""
