@@ -2,15 +2,15 @@
 (`parallel.ep_backend`): `AllToAllDispatcher` over torch's all_to_all_single, `DeepEPDispatcher` over DeepEP's
 NVLink kernels (normal mode, intranode: every EP rank on one host, ep ∈ {2, 4, 8}).
 
-    get_dispatch_layout → dispatch → expand to expert rows → grouped GEMM → weight and reduce → combine
+    count → dispatch → expand to expert rows → grouped GEMM → weight and reduce → combine → sum over ranks
 
-DeepEP sends each token to a rank once, however many of its experts live there: `recv_x` [R, D] holds each
-received token once, `recv_topk_idx` [R, K] its top-k as *local* expert ids (−1: an expert on another rank).
-The expert side expands that to rows, one per (token, local expert), sorted by local expert (`expert_rows`), and
-the experts sum a token's rows back into one with the gate weights (`token_copies.TokenCopies.weights`): DeepEP's
-combine is an unweighted sum over ranks, so it then yields y_t = Σ_ranks Σ_{k on that rank} g_t,k · FFN_k(x_t) on
-the token's own rank. Both backends pad groups to `align` (`pad_order`). The autograd ops, the one host sync, the
-asynchronous combine, the buffer and what compiles: docs/deepep.md#how-the-dispatcher-works.
+Both send each token to a rank once, however many of its experts live there: `recv_x` [R, D] holds each received
+token once, `recv_idx` [R, K] its top-k as *local* expert ids (−1: an expert on another rank). The expert side
+expands that to rows, one per (token, local expert), sorted by local expert (`expert_rows`), and the experts sum a
+token's rows back into one with the gate weights (`token_copies.TokenCopies.weights`); the combine returns that row
+to the token's rank, which sums its ranks' rows: y_t = Σ_ranks Σ_{k on that rank} g_t,k · FFN_k(x_t). Both pad
+groups to `align` (`pad_order`). The autograd ops, the one host sync, the overlaps, the buffer and what compiles:
+docs/deepep.md#how-the-dispatcher-works.
 """
 
 from __future__ import annotations
@@ -22,14 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dsv3.config import UserError
-from dsv3.token_copies import (
-    TokenCopies,
-    combine_token_copies,
-    gather_token_copies,
-    pad_order,
-    pads_groups,
-    row_of_slot,
-)
+from dsv3.token_copies import TokenCopies, gather_token_copies, pad_order, pads_groups, sum_token_copies
 
 
 def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
@@ -42,19 +35,58 @@ def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
     return torch.ops._c10d_functional.wait_tensor(out)
 
 
-def host_splits(splits: torch.Tensor) -> list[int]:
-    """The split sizes on the host: the one device→host sync of a MoE layer. Under torch.compile (with
-    `capture_scalar_outputs`) they are unbacked SymInts, so the block stays one graph and no count recompiles."""
-    sizes = splits.cpu().tolist()
+# The split sizes' copy to the host as two ops, so that the GPU has work queued between them (the shared experts):
+# the host waits for the copy, and the GPU does not idle while the host, woken, launches the block's next kernels.
+_copies_to_host: dict[int, torch.cuda.Event] = {}  # the pinned buffer's address → the event after its copy
+
+
+@torch.library.custom_op("dsv3::start_copy_to_host", mutates_args=())
+def start_copy_to_host(values: torch.Tensor) -> torch.Tensor:
+    """`values` copying into pinned host memory, not yet readable: `host_splits` waits for them."""
+    if not values.is_cuda:
+        return values.clone()
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    _copies_to_host[host.data_ptr()] = done
+    return host
+
+
+@start_copy_to_host.register_fake
+def _(values: torch.Tensor) -> torch.Tensor:
+    return torch.empty(values.shape, dtype=values.dtype, device="cpu")
+
+
+@torch.library.custom_op("dsv3::finish_copy_to_host", mutates_args=())
+def finish_copy_to_host(host: torch.Tensor) -> torch.Tensor:
+    done = _copies_to_host.pop(host.data_ptr(), None)
+    if done is not None:
+        done.synchronize()
+    return host.clone()
+
+
+@finish_copy_to_host.register_fake
+def _(host: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(host)
+
+
+def host_splits(copying: torch.Tensor) -> list[int]:
+    """The split sizes on the host (`start_copy_to_host`'s): the one device→host sync of a MoE layer. Under
+    torch.compile (with `capture_scalar_outputs`) they are unbacked SymInts, so the block stays one graph and no
+    count recompiles."""
+    sizes = torch.ops.dsv3.finish_copy_to_host(copying).tolist()
     for size in sizes:
         torch._check(size >= 0)
     return sizes
 
 
 class AllToAllDispatcher:
-    """Expert parallelism over `group`, rank r holding experts [r·E_local, (r+1)·E_local): exchange the counts,
-    then the rows (uneven splits, sized on the host: `host_splits`), sort them by local expert, and the reverse.
-    `align` > 1 pads each local expert's group (`pad_order`) without another sync."""
+    """Expert parallelism over `group`, rank r holding experts [r·E_local, (r+1)·E_local), the way DeepEP exchanges:
+    each token sent once to each rank that holds one of its experts, with its top-k as that rank's local expert ids
+    (−1: another rank's) and its gate weights; the experts there sum its rows (`TokenCopies.weights`) and the combine
+    sums its ranks' (`sum_token_copies`). The split sizes reach the host once (`host_splits`); `align` > 1 pads each
+    local expert's group (`pad_order`)."""
 
     def __init__(self, group: dist.ProcessGroup, n_experts: int, align: int = 1):
         self.group = group
@@ -62,44 +94,63 @@ class AllToAllDispatcher:
         self.n_local = n_experts // self.ep
         self.align = align
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 tokens_per_expert: torch.Tensor) -> tuple[TokenCopies, torch.Tensor, Any]:
-        n_slots, ep, n_local = topk_idx.numel(), self.ep, self.n_local
-        # Each rank also sends itself one zero row, a copy for a phantom expert after its own: every rank receives
-        # a row, so no size is ever 0 and no branch reads a count (the block stays one graph under compile).
-        phantom_key = topk_idx.new_full((1,), 2 * (self.rank + 1) * n_local - 1)
-        order = torch.cat([topk_idx.flatten() * 2, phantom_key]).argsort(stable=True)  # by expert, hence by rank
-        order = torch.where(order < n_slots, order, -1)  # slot −1: a zero row
-        send_x = gather_token_copies(x, order, topk_idx.size(1))
-        # received[src, e]: copies rank src sends to our local expert e
-        even = [n_local] * ep
-        received = exchange(tokens_per_expert, even, even, self.group).view(ep, n_local)
-        phantom = (torch.arange(ep, device=x.device) == self.rank).long()  # [ep]
-        splits = host_splits(torch.cat([tokens_per_expert.view(ep, n_local).sum(1) + phantom,
-                                        received.sum(1) + phantom]))
-        sent, got = splits[:ep], splits[ep:]
-        torch._check(got[self.rank] >= 1)
-        recv_x = exchange(send_x, got, sent, self.group)  # [src][local expert, phantom] order
-        n_received = recv_x.size(0)
-        local_expert = torch.arange(n_local + 1, device=x.device).repeat(ep)
-        counts = torch.cat([received, phantom[:, None]], dim=1).flatten()
-        expert_of_row = local_expert.repeat_interleave(counts, output_size=n_received)
-        local_order = expert_of_row.argsort(stable=True)  # → [local expert][src] order, the phantom row last
-        tokens_per_local_expert = received.sum(0)
-        if pads_groups(self.align, x.device):  # N varies by step: few buffer sizes (bucket)
-            local_order, tokens_per_local_expert = pad_order(local_order[:-1], expert_of_row[local_order[:-1]],
-                                                             tokens_per_local_expert, self.align, bucket=True)
-        # back to the order received, after the experts: each received row gathers its buffer row (the phantom's
-        # is past the last group: the GEMMs leave it unwritten, and the combine drops it)
-        row_of_received = row_of_slot(local_order, n_received)
-        return (TokenCopies(recv_x, local_order, 1), tokens_per_local_expert,
-                (order, topk_weights, row_of_received, sent, got))
+    async_combine = False
 
-    def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
-        order, topk_weights, row_of_received, sent, got = ctx
-        recv_y = gather_token_copies(expert_y, row_of_received, 1)
-        sorted_y = exchange(recv_y, sent, got, self.group)
-        return combine_token_copies(sorted_y, order, topk_weights)
+    def start(self, topk_idx: torch.Tensor, tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exchange the counts and start their copy to the host: (its pinned buffer, the order of the pairs sent)."""
+        ep, n_local, device = self.ep, self.n_local, topk_idx.device
+        in_rank = torch.zeros(topk_idx.size(0), ep, dtype=torch.bool, device=device)
+        in_rank.scatter_(1, topk_idx // n_local, True)  # [T, ep]: token t has an expert on rank s
+        # pairs (t, s) = t·ep + s, token t for rank s, sorted by rank, then token. Each rank also sends itself a zero
+        # row (pair −1) that one of its experts computes: no size is ever 0, no branch reads a count (one graph)
+        ranks = torch.arange(ep, device=device)
+        key = torch.where(in_rank, 2 * ranks, 2 * ep).flatten()  # [T·ep], pairs not sent last
+        order = torch.cat([key, key.new_full((1,), 2 * self.rank + 1)]).argsort(stable=True)
+        phantom = (ranks == self.rank).long()  # [ep]
+        # counts[s]: our copies for each of rank s's experts, and the tokens we send it; received[src]: theirs for us
+        counts = torch.cat([tokens_per_expert.view(ep, n_local), (in_rank.sum(0) + phantom)[:, None]], dim=1)
+        even = [n_local + 1] * ep
+        received = exchange(counts.flatten(), even, even, self.group).view(ep, n_local + 1)
+        sizes = torch.cat([counts[:, n_local], received[:, n_local], received[:, :n_local].sum()[None]])
+        return torch.ops.dsv3.start_copy_to_host(sizes), order
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 started: tuple[torch.Tensor, torch.Tensor]) -> tuple[TokenCopies, torch.Tensor, Any]:
+        (n_tokens, topk), ep, n_local, device = topk_idx.shape, self.ep, self.n_local, x.device
+        copying, order = started
+        splits = host_splits(copying)
+        sent, got, n_rows = splits[:ep], splits[ep:2 * ep], splits[2 * ep] + 1  # + the zero row's
+        n_sent = sum(sent)
+        torch._check(sent[self.rank] >= 1)  # the zero row: for the compiler, no row count is 0
+        torch._check(got[self.rank] >= 1)
+        torch._check(n_sent <= n_tokens * ep + 1)
+        order = order[:n_sent]
+        order = torch.where(order < n_tokens * ep, order, -1)  # pair −1: the zero row
+        send_x = gather_token_copies(x, order, ep)
+        token, rank = order // ep, order % ep
+        held = topk_idx[token] // n_local == rank[:, None]  # [n_sent, K]
+        zero_row_idx = torch.full((topk,), -1, device=device)
+        zero_row_idx[0] = n_local - 1  # our last expert computes the zero row
+        send_idx = torch.where((order >= 0)[:, None], torch.where(held, topk_idx[token] - n_local * rank[:, None], -1),
+                               zero_row_idx)
+        send_weights = gather_token_copies(topk_weights, order, ep)  # the zero row's 0
+        # the top-k travel beside their weights as floats (exact: E < 2^24), so that they are one exchange
+        recv_x = exchange(send_x, got, sent, self.group)
+        recv_topk = exchange(torch.cat([send_weights, send_idx.to(send_weights.dtype)], dim=1), got, sent, self.group)
+        recv_weights, recv_idx = recv_topk[:, :topk], recv_topk[:, topk:].long()
+        torch._check(n_rows <= recv_idx.numel())  # expert_rows' slice: exactly n_rows, no new unknown size
+        rows, expert_of_row, tokens_per_local_expert = expert_rows(recv_idx, n_local, n_rows)
+        if pads_groups(self.align, device):  # N varies by step: few buffer sizes (bucket)
+            rows, tokens_per_local_expert = pad_order(rows, expert_of_row, tokens_per_local_expert, self.align,
+                                                      bucket=True)
+        return (TokenCopies(recv_x, rows, topk, recv_weights), tokens_per_local_expert,
+                (order, sent, got, n_tokens))
+
+    def combine(self, token_y: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """token_y [R, D]: the experts' sums per received token → y [T, D], each token's sum over its ranks."""
+        order, sent, got, n_tokens = ctx
+        pair_y = exchange(token_y, sent, got, self.group)  # [n_sent, D] in the order sent
+        return sum_token_copies(pair_y, order, self.ep, n_tokens)
 
     def wait(self, y: torch.Tensor) -> torch.Tensor:
         return y
@@ -247,8 +298,13 @@ class DeepEPDispatcher:
         self.n_local = n_experts // buffer.group_size
         self.align = align
 
+    async_combine = True  # the shared experts run under it
+
+    def start(self, topk_idx: torch.Tensor, tokens_per_expert: torch.Tensor) -> None:
+        return None  # DeepEP counts inside its dispatch
+
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 tokens_per_expert: torch.Tensor) -> tuple[TokenCopies, torch.Tensor, Any]:
+                 started: None = None) -> tuple[TokenCopies, torch.Tensor, Any]:
         recv_x, recv_weights, recv_idx, n_rows, handle = self._exchange(x, topk_idx, topk_weights)
         # compiled with the block: only the exchange itself runs eagerly
         order, expert_of_row, tokens_per_local_expert = expert_rows(recv_idx, self.n_local, n_rows)

@@ -166,11 +166,16 @@ class MoE(nn.Module):
         flat_idx = routing.topk_idx.flatten()
         tokens_per_expert = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)
         tokens_per_expert.scatter_add_(0, flat_idx, torch.ones_like(flat_idx))  # no host sync, unlike bincount
+        started = self.dispatcher.start(routing.topk_idx, tokens_per_expert)  # EP: the split sizes' copy to the host
+        shared = None
+        if self.shared_experts is not None and not self.dispatcher.async_combine:
+            shared = self.shared_experts(x_flat)  # the GPU's work while the host waits for that copy
         copies, local_tokens_per_expert, ctx = self.dispatcher.dispatch(
-            x_flat, routing.topk_idx, routing.topk_weights, tokens_per_expert)
+            x_flat, routing.topk_idx, routing.topk_weights, started)
         expert_y = self.experts(copies, local_tokens_per_expert)
-        y = self.dispatcher.combine(expert_y, ctx)  # may still be arriving: the shared experts overlap it
-        shared = self.shared_experts(x_flat) if self.shared_experts is not None else None
+        y = self.dispatcher.combine(expert_y, ctx)  # may still be arriving (DeepEP): the shared experts overlap it
+        if self.shared_experts is not None and shared is None:
+            shared = self.shared_experts(x_flat)
         y = self.dispatcher.wait(y)
         if shared is not None:
             y = y + shared

@@ -143,17 +143,16 @@ _SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default,
              torch.ops.aten._scaled_dot_product_efficient_attention.default}
 
 
-# EP's exchanges (all_to_all's functional collective, DeepEP's ops): kept, recompute does not talk to other ranks
+# EP's exchanges (all_to_all's functional collective, DeepEP's ops) and the split sizes' copy to the host: kept,
+# recompute neither talks to other ranks nor waits for the GPU to drain
 _EXCHANGE_OPS = {torch.ops._c10d_functional.all_to_all_single.default,
                  torch.ops._c10d_functional_autograd.all_to_all_single.default, torch.ops.dsv3.deepep_dispatch.default,
-                 torch.ops.dsv3.deepep_combine.default}
+                 torch.ops.dsv3.deepep_combine.default, torch.ops.dsv3.start_copy_to_host.default,
+                 torch.ops.dsv3.finish_copy_to_host.default}
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    # the exchanges, and the split sizes' copy to the host: kept, recompute neither talks to other ranks nor waits
-    # for the GPU to drain
-    if (op in _SAVE_OPS or op in _EXCHANGE_OPS
-            or (op == torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"))):
+    if op in _SAVE_OPS or op in _EXCHANGE_OPS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

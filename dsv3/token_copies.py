@@ -24,10 +24,15 @@ class Dispatcher(Protocol):
     `AllToAllDispatcher` and `DeepEPDispatcher` for expert parallelism."""
 
     align: int  # every group of the copies starts at a multiple of it (`pad_order`); set by dsv3.lowp.quant
+    async_combine: bool  # the shared experts run under the combine; else before the dispatch (the GPU's work while
+    # the host waits for the split sizes)
+
+    def start(self, topk_idx: torch.Tensor, tokens_per_expert: torch.Tensor) -> Any:
+        """What `dispatch` needs of the routing alone (topk_idx [T, K], tokens_per_expert [E]), begun early."""
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 tokens_per_expert: torch.Tensor) -> tuple[TokenCopies, torch.Tensor, Any]:
-        """x [T, D], topk_idx/topk_weights [T, K], tokens_per_expert [E] → (the experts' input rows grouped by local
+                 started: Any) -> tuple[TokenCopies, torch.Tensor, Any]:
+        """x [T, D], topk_idx/topk_weights [T, K], what `start` returned → (the experts' input rows grouped by local
         expert, tokens_per_local_expert [E_local] int64, what `combine` needs)."""
 
     def combine(self, expert_y: torch.Tensor, ctx: Any) -> torch.Tensor:
@@ -41,8 +46,13 @@ class Dispatcher(Protocol):
 class LocalDispatcher:
     """All experts live in this process: sort token copies by expert, and undo it after the experts."""
 
+    async_combine = False
+
     def __init__(self, align: int = 1):
         self.align = align  # set by dsv3.lowp.quant for the low-precision grouped GEMMs
+
+    def start(self, topk_idx: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return tokens_per_expert
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  tokens_per_expert: torch.Tensor) -> tuple[TokenCopies, torch.Tensor, Any]:
@@ -163,15 +173,33 @@ class _GatheredRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows):
         (order,) = ctx.saved_tensors
-        return sum_token_copies(grad_rows, order, ctx.topk, ctx.n_tokens), None, None
+        return _sum_of_rows(grad_rows, order, ctx.topk, ctx.n_tokens), None, None
 
 
-def sum_token_copies(grad_rows: torch.Tensor, order: torch.Tensor, topk: int, n_tokens: int) -> torch.Tensor:
-    """The gradient of `gather_token_copies` [T, D]: each token's is the sum of its rows' [N, D]."""
-    if not grad_rows.size(0):  # no row was gathered (EP: a rank that received no tokens): nothing to sum
-        return grad_rows.new_zeros(n_tokens, grad_rows.size(1))
+def sum_token_copies(rows: torch.Tensor, order: torch.Tensor, topk: int, n_tokens: int) -> torch.Tensor:
+    """rows [N, D] in `order` → [T, D], each token's sum of its rows (the gradient of `gather_token_copies`, and its
+    inverse: its backward gathers)."""
+    return _SummedRows.apply(rows, order, topk, n_tokens)
+
+
+def _sum_of_rows(rows: torch.Tensor, order: torch.Tensor, topk: int, n_tokens: int) -> torch.Tensor:
+    if not rows.size(0):  # no row was gathered (EP: a rank that received no tokens): nothing to sum
+        return rows.new_zeros(n_tokens, rows.size(1))
     rows_of_token = row_of_slot(order, n_tokens * topk).view(-1, topk)  # [T, K]
-    return _sum_rows_of_slots(grad_rows, rows_of_token)
+    return _sum_rows_of_slots(rows, rows_of_token)
+
+
+class _SummedRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, order, topk, n_tokens):
+        ctx.save_for_backward(order)
+        ctx.topk = topk
+        return _sum_of_rows(rows, order, topk, n_tokens)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (order,) = ctx.saved_tensors
+        return gather_token_copies(grad_y, order, ctx.topk), None, None, None
 
 
 def combine_token_copies(rows: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

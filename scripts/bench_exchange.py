@@ -35,11 +35,12 @@ def time_layer(dispatcher, x0: torch.Tensor, topk_idx: torch.Tensor, weights0: t
         x, weights = x0.detach().requires_grad_(backward), weights0.detach().requires_grad_(backward)
         events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         events[0].record()
-        copies, tokens_per_local_expert, ctx = dispatcher.dispatch(x, topk_idx, weights, tokens_per_expert)
+        started = dispatcher.start(topk_idx, tokens_per_expert)
+        copies, tokens_per_local_expert, ctx = dispatcher.dispatch(x, topk_idx, weights, started)
         expert_x = copies.gather()
         events[1].record()
         expert_y = expert_x * 1.0  # identity experts, whose output is a new tensor
-        if copies.weights is not None:  # the experts sum each token's rows (DeepEP)
+        if copies.weights is not None:  # the experts sum each token's rows
             expert_y = copies.sum(expert_y)
         y = dispatcher.wait(dispatcher.combine(expert_y, ctx))
         events[2].record()

@@ -5,7 +5,8 @@ exchange a schedule hides.
 It is a real torch.distributed group (a Python `ProcessGroup`), so the exchange stays the functional collective that
 torch.compile traces and schedules (`dsv3.dispatch.exchange`): the copy and a kernel that holds `sms` SMs (one block
 each, all of their shared memory) for `ms` run on a stream of the group's own, and the exchange's wait makes the
-waiting stream wait for them, as NCCL's does. The split-size exchange (1-D counts) is copied at once.
+waiting stream wait for them, as NCCL's does. Narrow exchanges (the split sizes, each token's top-k and gate
+weights: DeepEP sends those inside its token kernels) are copied at once.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ extern "C" __global__ void simulated_link(int ns) {
 }
 """
 THREADS = 768  # per block, as DeepEP's intranode kernels launch
+TOKEN_ROW_BYTES = 1024  # a token's hidden state is ≥ 1 KB (dim ≥ 512 in bf16); its top-k and weights are far less
 
 
 class _LinkWork(dist.Work):
@@ -45,7 +47,8 @@ class _LinkWork(dist.Work):
 
 
 class SimulatedLink(dist.ProcessGroup):
-    """One rank; `alltoall_base` of 2-D tensors (token rows) takes `ms` on `sms` SMs of its own stream."""
+    """One rank; `alltoall_base` of token rows (2-D, at least `TOKEN_ROW_BYTES` wide) takes `ms` on `sms` SMs of its
+    own stream."""
 
     def __init__(self, ms: float, sms: int, device: torch.device):
         super().__init__(0, 1)
@@ -59,7 +62,7 @@ class SimulatedLink(dist.ProcessGroup):
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             output.copy_(input)
-            if input.dim() == 2:
+            if input.dim() == 2 and input.size(1) * input.element_size() >= TOKEN_ROW_BYTES:
                 self.calls += 1
                 self.spin(grid=(self.sms, 1, 1), block=(THREADS, 1, 1), args=[self.ns],
                           shared_mem=self.shared_bytes, stream=self.stream)

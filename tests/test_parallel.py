@@ -412,6 +412,37 @@ def test_one_rank_exchange_trains_as_the_local_dispatcher():
         torch.testing.assert_close(grads[name], grad, msg=name)
 
 
+class _OpOrder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_shared_experts_run_while_the_split_sizes_travel_to_the_host():
+    """The GPU has the shared experts queued between the split sizes' copy to the host and the host's wait for it, so
+    that it does not idle while the woken host launches the rest of the block."""
+    torch.manual_seed(0)
+    moe = MoE(CFG)
+    calls = []
+    moe.shared_experts.register_forward_hook(lambda *_: calls.append("shared"))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        moe.dispatcher = dispatch.AllToAllDispatcher(dist.group.WORLD, CFG.n_routed_experts)
+        order = _OpOrder()
+        with order:
+            moe(torch.randn(2, 8, CFG.dim))
+    finally:
+        dist.destroy_process_group()
+    ops = [str(op) for op in order.ops]
+    start, finish = ops.index("dsv3.start_copy_to_host.default"), ops.index("dsv3.finish_copy_to_host.default")
+    assert calls == ["shared"] and start < finish
+    assert ops[start:finish].count("aten.mm.default") == 3, ops[start:finish + 1]  # w1, w3, w2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_one_rank_exchange_compiles_whole_and_trains_as_the_local_dispatcher_on_a_gpu():
@@ -477,8 +508,8 @@ def test_selective_ac_recompute_does_not_exchange_again(tmp_path):
     out = tmp_path / "rank0.pt"
     mp.spawn(_exchange_count_worker, args=(2, free_port(), str(out)), nprocs=2)
     counts = torch.load(out)
-    # per MoE layer: counts, tokens and the combine forward, two reverse exchanges in backward
-    assert counts["none"] == 5 * len([b for b in Transformer(CFG).blocks() if isinstance(b.ffn, MoE)])
+    # per MoE layer: counts, tokens, their top-k and the combine forward, three reverse exchanges in backward
+    assert counts["none"] == 7 * len([b for b in Transformer(CFG).blocks() if isinstance(b.ffn, MoE)])
     assert counts["selective"] == counts["none"], counts
 
 
