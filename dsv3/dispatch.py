@@ -88,13 +88,13 @@ class AllToAllDispatcher:
     sums its ranks' (`sum_token_copies`). The split sizes reach the host once (`host_splits`); `align` > 1 pads each
     local expert's group (`pad_order`)."""
 
+    shared_experts_first = True  # they run while the split sizes travel to the host
+
     def __init__(self, group: dist.ProcessGroup, n_experts: int, align: int = 1):
         self.group = group
         self.ep, self.rank = group.size(), group.rank()  # any group of one: bench.py's simulated link
         self.n_local = n_experts // self.ep
         self.align = align
-
-    async_combine = False
 
     def start(self, topk_idx: torch.Tensor, tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Exchange the counts and start their copy to the host: (its pinned buffer, the order of the pairs sent)."""
@@ -298,7 +298,7 @@ class DeepEPDispatcher:
         self.n_local = n_experts // buffer.group_size
         self.align = align
 
-    async_combine = True  # the shared experts run under it
+    shared_experts_first = False  # they run under its asynchronous combine
 
     def start(self, topk_idx: torch.Tensor, tokens_per_expert: torch.Tensor) -> None:
         return None  # DeepEP counts inside its dispatch

@@ -168,7 +168,7 @@ class MoE(nn.Module):
         tokens_per_expert.scatter_add_(0, flat_idx, torch.ones_like(flat_idx))  # no host sync, unlike bincount
         started = self.dispatcher.start(routing.topk_idx, tokens_per_expert)  # EP: the split sizes' copy to the host
         shared = None
-        if self.shared_experts is not None and not self.dispatcher.async_combine:
+        if self.shared_experts is not None and self.dispatcher.shared_experts_first:
             shared = self.shared_experts(x_flat)  # the GPU's work while the host waits for that copy
         copies, local_tokens_per_expert, ctx = self.dispatcher.dispatch(
             x_flat, routing.topk_idx, routing.topk_weights, started)

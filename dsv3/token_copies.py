@@ -24,8 +24,8 @@ class Dispatcher(Protocol):
     `AllToAllDispatcher` and `DeepEPDispatcher` for expert parallelism."""
 
     align: int  # every group of the copies starts at a multiple of it (`pad_order`); set by dsv3.lowp.quant
-    async_combine: bool  # the shared experts run under the combine; else before the dispatch (the GPU's work while
-    # the host waits for the split sizes)
+    shared_experts_first: bool  # before the dispatch, the GPU's work while the host waits for the split sizes; else
+    # after the combine (under DeepEP's, in flight)
 
     def start(self, topk_idx: torch.Tensor, tokens_per_expert: torch.Tensor) -> Any:
         """What `dispatch` needs of the routing alone (topk_idx [T, K], tokens_per_expert [E]), begun early."""
@@ -46,7 +46,7 @@ class Dispatcher(Protocol):
 class LocalDispatcher:
     """All experts live in this process: sort token copies by expert, and undo it after the experts."""
 
-    async_combine = False
+    shared_experts_first = False
 
     def __init__(self, align: int = 1):
         self.align = align  # set by dsv3.lowp.quant for the low-precision grouped GEMMs
