@@ -412,6 +412,25 @@ def test_one_rank_exchange_trains_as_the_local_dispatcher():
         torch.testing.assert_close(grads[name], grad, msg=name)
 
 
+def test_the_exchange_sends_each_token_once_to_a_rank_however_many_of_its_experts_are_there():
+    """As DeepEP: the rows exchanged are the tokens (and the zero row each rank sends itself), not the T·K copies;
+    the copies are made on the receiving side, one per (token, local expert), plus the zero row's."""
+    torch.manual_seed(0)
+    x = torch.randn(10, CFG.dim)
+    topk_idx = torch.stack([torch.randperm(CFG.n_routed_experts)[:CFG.n_activated_experts] for _ in range(10)])
+    counts = torch.bincount(topk_idx.flatten(), minlength=CFG.n_routed_experts)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dispatcher = dispatch.AllToAllDispatcher(dist.group.WORLD, CFG.n_routed_experts)
+        copies, per_expert, _ = dispatcher.dispatch(x, topk_idx, torch.rand(10, CFG.n_activated_experts),
+                                                    dispatcher.start(topk_idx, counts))
+    finally:
+        dist.destroy_process_group()
+    assert copies.source.shape == (11, CFG.dim) and torch.equal(copies.source[:10], x)
+    assert (copies.source[10] == 0).all() and copies.order.numel() == 10 * CFG.n_activated_experts + 1
+    assert torch.equal(per_expert, counts + torch.eye(CFG.n_routed_experts, dtype=torch.long)[-1])
+
+
 class _OpOrder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
