@@ -126,16 +126,15 @@ class AllToAllDispatcher:
         torch._check(n_sent <= n_tokens * ep + 1)
         order = order[:n_sent]
         order = torch.where(order < n_tokens * ep, order, -1)  # pair −1: the zero row
-        send_x = gather_token_copies(x, order, ep)
+        recv_x = exchange(gather_token_copies(x, order, ep), got, sent, self.group)
         token, rank = order // ep, order % ep
-        held = topk_idx[token] // n_local == rank[:, None]  # [n_sent, K]
+        token_topk = topk_idx[token]  # [n_sent, K]
+        local_idx = torch.where(token_topk // n_local == rank[:, None], token_topk - n_local * rank[:, None], -1)
         zero_row_idx = torch.full((topk,), -1, device=device)
         zero_row_idx[0] = n_local - 1  # our last expert computes the zero row
-        send_idx = torch.where((order >= 0)[:, None], torch.where(held, topk_idx[token] - n_local * rank[:, None], -1),
-                               zero_row_idx)
+        send_idx = torch.where((order >= 0)[:, None], local_idx, zero_row_idx)
         send_weights = gather_token_copies(topk_weights, order, ep)  # the zero row's 0
         # the top-k travel beside their weights as floats (exact: E < 2^24), so that they are one exchange
-        recv_x = exchange(send_x, got, sent, self.group)
         recv_topk = exchange(torch.cat([send_weights, send_idx.to(send_weights.dtype)], dim=1), got, sent, self.group)
         recv_weights, recv_idx = recv_topk[:, :topk], recv_topk[:, topk:].long()
         torch._check(n_rows <= recv_idx.numel())  # expert_rows' slice: exactly n_rows, no new unknown size
@@ -291,14 +290,14 @@ class DeepEPDispatcher:
     [r·E_local, (r+1)·E_local), as with AllToAllDispatcher. Tokens must be bf16, the only dtype DeepEP sends
     (on CUDA they are: FSDP computes in bf16); topk_idx int64 and weights fp32, as the router makes them."""
 
+    shared_experts_first = False  # they run under its asynchronous combine
+
     def __init__(self, buffer, n_experts: int, align: int = 1):
         self.buffer_key = id(buffer)
         _buffers[self.buffer_key] = buffer
         self.n_experts = n_experts
         self.n_local = n_experts // buffer.group_size
         self.align = align
-
-    shared_experts_first = False  # they run under its asynchronous combine
 
     def start(self, topk_idx: torch.Tensor, tokens_per_expert: torch.Tensor) -> None:
         return None  # DeepEP counts inside its dispatch
