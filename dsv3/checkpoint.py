@@ -35,6 +35,7 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.utils._pytree as pytree
 from torch import (
     _weights_only_unpickler,  # what torch.load(weights_only=True) unpickles with
     nn,
@@ -51,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from dsv3 import host_memory
 from dsv3.config import ModelConfig, UserError
 from dsv3.safeopen import refuse_link
 
@@ -199,29 +201,34 @@ def _background_group() -> Any:
     return _group
 
 
+_PIN_MIN_BYTES = 1 << 20
+
+
 class _HostCopy(AsyncStager):
     """The background save's copy to host memory, complete when `stage` returns (the next optimizer step may change
-    the weights): non-blocking copies, one device sync, into host buffers pinned on CUDA, allocated by `prepare` or the
-    first save and reused by every later one. # torch 2.11: its DefaultStager drops them after every save."""
+    the weights): non-blocking copies, one device sync, into host buffers allocated by `prepare` (or the first save),
+    pinned on CUDA, and reused by every later save. # torch 2.11: its DefaultStager drops them after every save."""
 
     _synchronize_after_execute = False  # nothing left to wait for once `stage` returned
 
     def __init__(self) -> None:
         self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        self.copier = StateDictStager(pin_memory=self.cuda, share_memory=False)
+        self.copier = StateDictStager(pin_memory=False, share_memory=False)  # pinned here, without Python's lock
+        self.pinned: set[int] = set()  # the addresses of the buffers pinned
         self.preparing: threading.Thread | None = None
         self.prepare_error: BaseException | None = None
 
     def prepare(self, state_dict: dict[str, Any]) -> None:
-        """Allocate (and pin) the host buffers in a thread, while training goes on: a first copy into them on a
+        """Allocate and pin the host buffers in a thread, while training goes on: a first copy into them on a
         stream of its own, whose values are never read (the training changes the weights meanwhile)."""
+        device = torch.cuda.current_device() if self.cuda else None  # a new thread's is device 0
 
         def allocate() -> None:
             try:
+                if self.cuda:
+                    torch.cuda.set_device(device)
                 with torch.cuda.stream(torch.cuda.Stream()) if self.cuda else contextlib.nullcontext():
-                    self.copier.stage(state_dict, non_blocking=self.cuda)
-                    if self.cuda:
-                        torch.cuda.current_stream().synchronize()
+                    self._pin(self.copier.stage(state_dict))
             except BaseException as e:  # raised again by the first save
                 self.prepare_error = e
 
@@ -237,7 +244,19 @@ class _HostCopy(AsyncStager):
         staged = self.copier.stage(state_dict, non_blocking=self.cuda)
         if self.cuda:
             torch.cuda.synchronize()
+        self._pin(staged)  # new buffers (not prepared): their first copy was not asynchronous, the next ones are
         return staged
+
+    def _pin(self, staged: dict[str, Any]) -> None:
+        if not self.cuda:
+            return
+        for value in pytree.tree_leaves(staged):
+            if not isinstance(value, torch.Tensor):
+                continue
+            storage = value.untyped_storage()  # small ones (step counts, biases) gain nothing, and share pages
+            if storage.nbytes() >= _PIN_MIN_BYTES and storage.data_ptr() not in self.pinned:
+                host_memory.pin(storage)
+                self.pinned.add(storage.data_ptr())
 
 
 def _stager() -> _HostCopy:
