@@ -51,8 +51,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
-from dsv3 import host_memory
 from dsv3.config import ModelConfig, UserError
 from dsv3.safeopen import refuse_link
 
@@ -201,38 +201,36 @@ def _background_group() -> Any:
     return _group
 
 
-_PIN_MIN_BYTES = 1 << 20
-
-
 class _HostCopy(AsyncStager):
     """The background save's copy to host memory, complete when `stage` returns (the next optimizer step may change
-    the weights): non-blocking copies, one device sync, into host buffers allocated by `prepare` (or the first save),
-    pinned on CUDA, and reused by every later save. # torch 2.11: its DefaultStager drops them after every save."""
+    the weights): one copy per storage into host buffers that `prepare` (or the first save) allocates and every later
+    save reuses. # torch 2.11: its DefaultStager drops them after every save. Pageable, not pinned: page-locking them
+    stalled the training for longer than pinned copies would save over many saves (docs/log.md)."""
 
     _synchronize_after_execute = False  # nothing left to wait for once `stage` returned
 
     def __init__(self) -> None:
-        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        self.copier = StateDictStager(pin_memory=False, share_memory=False)  # pinned here, without Python's lock
-        self.pinned: set[int] = set()  # the addresses of the buffers pinned
+        self.copier = StateDictStager(pin_memory=False, share_memory=False)
         self.preparing: threading.Thread | None = None
         self.prepare_error: BaseException | None = None
 
     def prepare(self, state_dict: dict[str, Any]) -> None:
-        """Allocate and pin the host buffers in a thread, while training goes on: a first copy into them on a
-        stream of its own, whose values are never read (the training changes the weights meanwhile)."""
-        device = torch.cuda.current_device() if self.cuda else None  # a new thread's is device 0
+        """Allocate the host buffers in a thread, while training goes on, each touched once so that the first save
+        does not wait for the kernel to map its pages. No copy from the device: one in a thread stalled the step
+        beside it for as long as it ran (docs/log.md)."""
 
         def allocate() -> None:
             try:
-                if self.cuda:
-                    torch.cuda.set_device(device)
-                with torch.cuda.stream(torch.cuda.Stream()) if self.cuda else contextlib.nullcontext():
-                    self._pin(self.copier.stage(state_dict))
+                buffers = self.copier._cached_storage_mapping  # device storage → its host buffer, as `stage` keeps them
+                for value in pytree.tree_leaves(state_dict):
+                    if isinstance(value, torch.Tensor):
+                        storage = (value.to_local() if isinstance(value, DTensor) else value).untyped_storage()
+                        if storage not in buffers:
+                            buffers[storage] = torch.zeros(storage.nbytes(), dtype=torch.uint8).untyped_storage()
             except BaseException as e:  # raised again by the first save
                 self.prepare_error = e
 
-        self.preparing = threading.Thread(target=allocate, name="dsv3-pin-host-buffers", daemon=True)
+        self.preparing = threading.Thread(target=allocate, name="dsv3-host-buffers", daemon=True)
         self.preparing.start()
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -241,22 +239,7 @@ class _HostCopy(AsyncStager):
             self.preparing, error, self.prepare_error = None, self.prepare_error, None
             if error is not None:
                 raise error
-        staged = self.copier.stage(state_dict, non_blocking=self.cuda)
-        if self.cuda:
-            torch.cuda.synchronize()
-        self._pin(staged)  # new buffers (not prepared): their first copy was not asynchronous, the next ones are
-        return staged
-
-    def _pin(self, staged: dict[str, Any]) -> None:
-        if not self.cuda:
-            return
-        for value in pytree.tree_leaves(staged):
-            if not isinstance(value, torch.Tensor):
-                continue
-            storage = value.untyped_storage()  # small ones (step counts, biases) gain nothing, and share pages
-            if storage.nbytes() >= _PIN_MIN_BYTES and storage.data_ptr() not in self.pinned:
-                host_memory.pin(storage)
-                self.pinned.add(storage.data_ptr())
+        return self.copier.stage(state_dict)  # a copy to pageable memory returns once it has arrived
 
 
 def _stager() -> _HostCopy:
