@@ -88,7 +88,7 @@ def test_a_background_save_holds_the_weights_of_its_step_not_those_the_next_step
 
 
 def test_background_saves_copy_into_the_host_buffers_of_the_first(tmp_path, monkeypatch):
-    """A run saves many times: the host buffers (18 GB for the 16B cut) are allocated once."""
+    """A run saves many times: the host buffers (a copy of the rank's whole state) are allocated once."""
     staged, stage = [], checkpoint._HostCopy.stage
 
     def recording(self, state_dict):
@@ -234,11 +234,11 @@ def test_the_save_benchmark_trains_through_each_write_and_reports_every_stall(da
 
 @pytest.mark.gpu
 def test_a_background_save_on_cuda_holds_its_steps_weights(tmp_path, monkeypatch):
-    """On CUDA the host buffers are allocated ahead, on a stream of their own; the save still holds the weights of
-    its step, not those of the allocation's step or of the step after it."""
+    """On CUDA the host buffers are allocated ahead, with no copy from the device; the save still holds the weights
+    of its step, not those of the allocation's step or of the step after it."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    monkeypatch.setattr(checkpoint, "_staging", None)  # a stager of its own, made once CUDA is initialized
+    monkeypatch.setattr(checkpoint, "_staging", None)  # buffers of this model's only
     torch.manual_seed(0)
     model = torch.nn.Linear(1024, 1024, device="cuda")
     optimizer = torch.optim.AdamW(model.parameters())
