@@ -287,7 +287,7 @@ def _compiled_ac_worker(rank: int, world: int, ep: int, port: int, out_path: str
         # bf16 compute: the grouped GEMM traces in bf16 only
         model, _ = _parallelize(Transformer(cfg), world, ep, ac, torch.bfloat16,
                                 aot_autograd(fw_compiler=record) if compile else None)
-        # the MoE layers of a batch receive different token counts under EP, the second batch others again
+        # under EP each batch's MoE blocks (with MTP: the layer's and MTP's) receive new token counts
         torch._dynamo.utils.counters.clear()
         for batch in local:
             graphs.append(0)
@@ -302,7 +302,7 @@ def _compiled_ac_worker(rank: int, world: int, ep: int, port: int, out_path: str
     _save_from_rank_0_and_leave(rank, results, out_path)
 
 
-# selective AC with EP and MTP at world 4 only, full AC with MTP only: MTP cases are among the slowest in CI
+# selective AC with EP and MTP at world 4 only, full AC only with MTP: MTP cases are among the slowest in CI
 @pytest.mark.parametrize("ac,ep,world,mtp", [("full", 2, 2, True), ("selective", 1, 2, False),
                                              ("selective", 2, 4, True), ("selective", 2, 2, False)])
 @pytest.mark.slow
