@@ -142,7 +142,7 @@ class AllToAllDispatcher:
         if pads_groups(self.align, device):  # N varies by step: few buffer sizes (bucket)
             rows, tokens_per_local_expert = pad_order(rows, expert_of_row, tokens_per_local_expert, self.align,
                                                       bucket=True)
-        return (TokenCopies(recv_x, rows, topk, recv_weights), tokens_per_local_expert,
+        return (TokenCopies(recv_x, rows, topk, recv_weights, received=True), tokens_per_local_expert,
                 (order, sent, got, n_tokens))
 
     def combine(self, token_y: torch.Tensor, ctx: Any) -> torch.Tensor:
@@ -313,7 +313,8 @@ class DeepEPDispatcher:
                                                        bucket=True)
         # the experts sum each received token's rows (`TokenCopies.weights`) into one row per received token (R may be
         # 0; R > 0 implies N > 0: DeepEP sends a token only to ranks that hold one of its experts)
-        return TokenCopies(recv_x, order, recv_idx.size(1), recv_weights), tokens_per_local_expert, handle
+        copies = TokenCopies(recv_x, order, recv_idx.size(1), recv_weights, received=True)
+        return copies, tokens_per_local_expert, handle
 
     @torch.compiler.disable
     def combine(self, token_y: torch.Tensor, handle: tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -113,19 +113,31 @@ class TokenCopies(NamedTuple):
     order: torch.Tensor  # [N] the slot each row holds, −1 for a padding row
     topk: int  # K
     weights: torch.Tensor | None = None  # [T, K] the gate weight of each slot (junk where no row holds the slot)
+    received: bool = False  # source is what an expert-parallel exchange received: on CUDA the gather and the
+    # combine's backward run as hand-written kernels (dsv3.token_copies_kernels says why)
 
     def gather(self) -> torch.Tensor:
-        return gather_token_copies(self.source, self.order, self.topk)
+        return gather_token_copies(self.source, self.order, self.topk, self.received)
 
     def sum(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [N, D] in `order` → y [T, D], y_t = Σ_k g_t,k · (the row in slot (t, k))."""
-        return combine_token_copies(rows, self.order, self.weights)
+        return combine_token_copies(rows, self.order, self.weights, self.received)
 
 
-def gather_token_copies(x: torch.Tensor, order: torch.Tensor, topk: int) -> torch.Tensor:
+def gather_token_copies(x: torch.Tensor, order: torch.Tensor, topk: int, received: bool = False) -> torch.Tensor:
     """x [T, D] → the rows [N, D] in `order`, x[order // topk] (padding rows zero); slots `order` leaves out (DeepEP:
-    experts on other ranks) get none. Backward, each token's gradient sums its rows', gathered (`_GatheredRows`)."""
-    return _GatheredRows.apply(x, order, topk)
+    experts on other ranks) get none. Backward, each token's gradient sums its rows', gathered (`_GatheredRows`).
+    `received`: see `TokenCopies`."""
+    return _GatheredRows.apply(x, order, topk, _by_kernels(received, x))
+
+
+def _by_kernels(received: bool, x: torch.Tensor) -> bool:
+    """Whether the token copies of `x` run through dsv3.token_copies_kernels: received tokens on CUDA, below fp64."""
+    if received and x.is_cuda and x.dtype != torch.float64:
+        import dsv3.token_copies_kernels  # noqa: F401  registers its torch.ops.dsv3 ops before any tracing of them
+
+        return True
+    return False
 
 
 def row_of_slot(order: torch.Tensor, n_slots: int) -> torch.Tensor:
@@ -163,17 +175,19 @@ class _GatheredRows(torch.autograd.Function):
     would scatter them with atomic adds in bf16: one kernel, no zero fill, deterministic."""
 
     @staticmethod
-    def forward(ctx, x, order, topk):
+    def forward(ctx, x, order, topk, by_kernel):
         ctx.save_for_backward(order)
         ctx.topk, ctx.n_tokens = topk, x.size(0)
         if not x.size(0):  # an expert-parallel rank that received no tokens: padding rows only
             return x.new_zeros(order.numel(), x.size(1))
+        if by_kernel:
+            return torch.ops.dsv3.gather_rows(x, order, topk)
         return torch.where((order >= 0).unsqueeze(-1), x[order // topk], 0)  # slot −1 reads row −1, deselected
 
     @staticmethod
     def backward(ctx, grad_rows):
         (order,) = ctx.saved_tensors
-        return _sum_of_rows(grad_rows, order, ctx.topk, ctx.n_tokens), None, None
+        return _sum_of_rows(grad_rows, order, ctx.topk, ctx.n_tokens), None, None, None
 
 
 def sum_token_copies(rows: torch.Tensor, order: torch.Tensor, topk: int, n_tokens: int) -> torch.Tensor:
@@ -202,12 +216,13 @@ class _SummedRows(torch.autograd.Function):
         return gather_token_copies(grad_y, order, ctx.topk), None, None, None
 
 
-def combine_token_copies(rows: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+def combine_token_copies(rows: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor,
+                         received: bool = False) -> torch.Tensor:
     """rows [N, D] in `order` → y [T, D], y_t = Σ_k g_t,k · (the row in slot (t, k)), g = topk_weights [T, K]. Slots
     no row holds (DeepEP: experts on other ranks, whose weights are junk) count as zero; T may be 0 (EP: a rank that
-    received no tokens, its rows padding only, or none)."""
+    received no tokens, its rows padding only, or none). `received`: see `TokenCopies`."""
     rows_of_token = row_of_slot(order, topk_weights.numel()).view(topk_weights.shape)
-    return _WeightedRowSum.apply(rows, topk_weights, rows_of_token, order)
+    return _WeightedRowSum.apply(rows, topk_weights, rows_of_token, order, _by_kernels(received, rows))
 
 
 class _WeightedRowSum(torch.autograd.Function):
@@ -215,17 +230,21 @@ class _WeightedRowSum(torch.autograd.Function):
     weighting into one kernel each (docs/performance.md#the-routed-experts-token-copies)."""
 
     @staticmethod
-    def forward(ctx, rows, weights, row_of_slot, order):
+    def forward(ctx, rows, weights, row_of_slot, order, by_kernel):
         y, slot_weights = weighted_row_sum(rows, weights, row_of_slot)
         ctx.save_for_backward(rows, slot_weights, row_of_slot, order)
-        ctx.weights_dtype = weights.dtype
+        ctx.weights_dtype, ctx.by_kernel = weights.dtype, by_kernel
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         rows, slot_weights, row_of_slot, order = ctx.saved_tensors
         if not grad_y.size(0):  # no tokens (EP: a rank that received none): the rows, padding only, get none
-            return torch.zeros_like(rows), grad_y.new_zeros(row_of_slot.shape, dtype=ctx.weights_dtype), None, None
+            return (torch.zeros_like(rows), grad_y.new_zeros(row_of_slot.shape, dtype=ctx.weights_dtype), None, None,
+                    None)
+        if ctx.by_kernel:
+            grad_rows, grad_weight_of_row = torch.ops.dsv3.combine_rows_backward(grad_y, rows, slot_weights, order)
+            return grad_rows, slot_gradients(grad_weight_of_row, row_of_slot, ctx.weights_dtype), None, None, None
         K = row_of_slot.size(1)
         grad_y_of_row = grad_y[order // K]  # [N, D]; a padding row (slot −1) reads the last slot's
         grad_rows = torch.where((order >= 0).unsqueeze(-1),
@@ -233,7 +252,7 @@ class _WeightedRowSum(torch.autograd.Function):
         # ∂g_t,k = ⟨∂y_t, row⟩, reduced row by row in the rows' order, beside grad_rows (one kernel reads both)
         wide = _at_least_fp32(rows.dtype)
         grad_weight_of_row = (grad_y_of_row.to(wide) * rows.to(wide)).sum(dim=-1)  # [N]
-        return grad_rows, slot_gradients(grad_weight_of_row, row_of_slot, ctx.weights_dtype), None, None
+        return grad_rows, slot_gradients(grad_weight_of_row, row_of_slot, ctx.weights_dtype), None, None, None
 
 
 def weighted_row_sum(rows: torch.Tensor, weights: torch.Tensor, row_of_slot: torch.Tensor

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from dsv3.config import ModelConfig
 from dsv3.model import Block, rope_frequencies
 from dsv3.moe import GroupedExperts, MoE, Router, sequence_balance_loss, swiglu, update_expert_bias
-from dsv3.token_copies import combine_token_copies, gather_token_copies
+from dsv3.token_copies import TokenCopies, combine_token_copies, gather_token_copies
 
 
 def moe_config(**overrides) -> ModelConfig:
@@ -482,6 +482,46 @@ def test_balanced_uniform_routing_gives_balance_loss_one(E, K):
     peaked[..., :K] = 1.0
     collapsed = torch.arange(K).repeat(2, T, 1)
     assert sequence_balance_loss(peaked, collapsed, K).item() == pytest.approx(E / K, rel=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_received_token_copies_kernels_match_the_torch_ops(compiled):
+    """Received tokens' copies on CUDA (`TokenCopies.received`: the gather and the combine's backward by hand)
+    against the torch ops, for an order with padding rows and slots left out (DeepEP: other ranks' experts) whose
+    sizes leave the kernels' blocks part-filled. Eager in bf16: the rows, y and the tokens' gradients exactly, the
+    gate weights' within fp32 summation order. Compiled, in fp32, all within it: there inductor's fusions of the
+    torch ops skip the bf16 roundings that the kernels' outputs take."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    T, K, D = 301, 3, 700
+    held = torch.randperm(T * K, device="cuda")[:T * K - 40]
+    order = torch.cat([held, held.new_full((29,), -1)])[torch.randperm(held.numel() + 29, device="cuda")]
+    dtype = torch.float32 if compiled else torch.bfloat16
+    x = torch.randn(T, D, device="cuda", dtype=dtype)
+    weights = torch.rand(T, K, device="cuda")
+    probe_rows = torch.randn(order.numel(), D, device="cuda", dtype=dtype)
+    probe_y = torch.randn(T, D, device="cuda", dtype=dtype)
+
+    def copies_and_sum(x, weights, received):
+        copies = TokenCopies(x, order, K, weights, received)
+        rows = copies.gather()
+        return rows, copies.sum(rows * probe_rows)
+
+    results = []
+    for received in (False, True):
+        run = torch.compile(copies_and_sum, fullgraph=True) if compiled else copies_and_sum
+        leaves = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        rows, y = run(*leaves, received)
+        (rows.float().sum() + (y * probe_y).float().sum()).backward()
+        results.append((rows, y, leaves[0].grad, leaves[1].grad))
+    (rows, y, dx, dw), (rows_k, y_k, dx_k, dw_k) = results
+    assert (rows_k[order < 0] == 0).all()
+    exact = 0 if not compiled else 1e-5
+    for ours, theirs in ((rows_k, rows), (y_k, y), (dx_k, dx)):
+        torch.testing.assert_close(ours, theirs, rtol=exact, atol=exact)
+    torch.testing.assert_close(dw_k, dw, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
