@@ -41,25 +41,28 @@ _copies_to_host: dict[int, torch.cuda.Event] = {}  # the pinned buffer's address
 
 
 @torch.library.custom_op("dsv3::start_copy_to_host", mutates_args=())
-def start_copy_to_host(values: torch.Tensor) -> torch.Tensor:
-    """`values` copying into pinned host memory, not yet readable: `host_splits` waits for them."""
+def start_copy_to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`values` copying into pinned host memory, not yet readable (`host_splits` waits for them), and a zero on
+    their device made after the copy's start: work that adds it is queued behind the copy (`run_during_copy`)."""
+    zero = values.new_zeros((), dtype=torch.float32)
     if not values.is_cuda:
-        return values.clone()
+        return values.clone(), zero
     host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     host.copy_(values, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
     _copies_to_host[host.data_ptr()] = done
-    return host
+    return host, zero
 
 
 @start_copy_to_host.register_fake
-def _(values: torch.Tensor) -> torch.Tensor:
-    return torch.empty(values.shape, dtype=values.dtype, device="cpu")
+def _(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty(values.shape, dtype=values.dtype, device="cpu"), values.new_empty((), dtype=torch.float32)
 
 
 @torch.library.custom_op("dsv3::finish_copy_to_host", mutates_args=())
-def finish_copy_to_host(host: torch.Tensor) -> torch.Tensor:
+def finish_copy_to_host(host: torch.Tensor, after: list[torch.Tensor]) -> torch.Tensor:
+    """Wait for `host`'s copy; `after`: tensors the wait takes only so that the compiler queues their work first."""
     done = _copies_to_host.pop(host.data_ptr(), None)
     if done is not None:
         done.synchronize()
@@ -67,15 +70,15 @@ def finish_copy_to_host(host: torch.Tensor) -> torch.Tensor:
 
 
 @finish_copy_to_host.register_fake
-def _(host: torch.Tensor) -> torch.Tensor:
+def _(host: torch.Tensor, after: list[torch.Tensor]) -> torch.Tensor:
     return torch.empty_like(host)
 
 
-def host_splits(copying: torch.Tensor) -> list[int]:
-    """The split sizes on the host (`start_copy_to_host`'s): the one device→host sync of a MoE layer. Under
-    torch.compile (with `capture_scalar_outputs`) they are unbacked SymInts, so the block stays one graph and no
-    count recompiles."""
-    sizes = torch.ops.dsv3.finish_copy_to_host(copying).tolist()
+def host_splits(copying: torch.Tensor, after: list[torch.Tensor]) -> list[int]:
+    """The split sizes on the host (`start_copy_to_host`'s): the one device→host sync of a MoE layer, after the
+    work of `after` is queued. Under torch.compile (with `capture_scalar_outputs`) they are unbacked SymInts, so the
+    block stays one graph and no count recompiles."""
+    sizes = torch.ops.dsv3.finish_copy_to_host(copying, after).tolist()
     for size in sizes:
         torch._check(size >= 0)
     return sizes
@@ -88,7 +91,7 @@ class AllToAllDispatcher:
     sums its ranks' (`sum_token_copies`). The split sizes reach the host once (`host_splits`); `align` > 1 pads each
     local expert's group (`pad_order`)."""
 
-    shared_experts_first = True  # they run while the split sizes travel to the host
+    shared_experts_first = True  # they run while the split sizes travel to the host (`run_during_copy`)
 
     def __init__(self, group: dist.ProcessGroup, n_experts: int, align: int = 1):
         self.group = group
@@ -112,13 +115,22 @@ class AllToAllDispatcher:
         even = [n_local + 1] * ep
         received = exchange(counts.flatten(), even, even, self.group).view(ep, n_local + 1)
         sizes = torch.cat([counts[:, n_local], received[:, n_local], received[:, :n_local].sum()[None]])
-        return torch.ops.dsv3.start_copy_to_host(sizes), order
+        copying, after_copy = torch.ops.dsv3.start_copy_to_host(sizes)
+        return copying, order, after_copy, []
+
+    def run_during_copy(self, fn, x: torch.Tensor, started: tuple) -> tuple[torch.Tensor, tuple]:
+        """fn(x), queued on the GPU between the split sizes' copy to the host and the host's wait for them, however
+        the compiler orders the block: its input waits for the copy's start (+ 0), the host's wait for its output.
+        So the GPU computes while the host waits, and while the woken host launches the dispatch's small kernels."""
+        copying, order, after_copy, _ = started
+        y = fn(x + after_copy.to(x.dtype))
+        return y, (copying, order, after_copy, [y])
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 started: tuple[torch.Tensor, torch.Tensor]) -> tuple[TokenCopies, torch.Tensor, Any]:
+                 started: tuple) -> tuple[TokenCopies, torch.Tensor, Any]:
         (n_tokens, topk), ep, n_local, device = topk_idx.shape, self.ep, self.n_local, x.device
-        copying, order = started
-        splits = host_splits(copying)
+        copying, order, _, after = started
+        splits = host_splits(copying, [order, *after])  # the send order computed before the wait, too
         sent, got, n_rows = splits[:ep], splits[ep:2 * ep], splits[2 * ep] + 1  # + the zero row's
         n_sent = sum(sent)
         torch._check(sent[self.rank] >= 1)  # the zero row: for the compiler, no row count is 0

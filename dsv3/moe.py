@@ -169,7 +169,8 @@ class MoE(nn.Module):
         started = self.dispatcher.start(routing.topk_idx, tokens_per_expert)  # EP: the split sizes' copy to the host
         shared = None
         if self.shared_experts is not None and self.dispatcher.shared_experts_first:
-            shared = self.shared_experts(x_flat)  # the GPU's work while the host waits for that copy
+            # the GPU's work while the host waits for that copy
+            shared, started = self.dispatcher.run_during_copy(self.shared_experts, x_flat, started)
         copies, local_tokens_per_expert, ctx = self.dispatcher.dispatch(
             x_flat, routing.topk_idx, routing.topk_weights, started)
         expert_y = self.experts(copies, local_tokens_per_expert)

@@ -30,6 +30,10 @@ class Dispatcher(Protocol):
     def start(self, topk_idx: torch.Tensor, tokens_per_expert: torch.Tensor) -> Any:
         """What `dispatch` needs of the routing alone (topk_idx [T, K], tokens_per_expert [E]), begun early."""
 
+    def run_during_copy(self, fn: Any, x: torch.Tensor, started: Any) -> tuple[torch.Tensor, Any]:
+        """With `shared_experts_first`: (fn(x), `started` for `dispatch`), fn's work queued while the split sizes
+        travel to the host."""
+
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  started: Any) -> tuple[TokenCopies, torch.Tensor, Any]:
         """x [T, D], topk_idx/topk_weights [T, K], what `start` returned → (the experts' input rows grouped by local

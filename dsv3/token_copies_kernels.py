@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-GATHER_ROWS, GATHER_COLS = 16, 512  # the block of [N, D] one gather program copies
+GATHER_ROWS, GATHER_COLS = 64, 128  # the block of [N, D] one gather program copies
 COMBINE_ROWS, COMBINE_COLS = 8, 512  # the rows one backward program takes, and the columns of each step along D
 WARPS = 4
 
