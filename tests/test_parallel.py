@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from conftest import free_port, leave_process_group, torchrun_env
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
@@ -443,24 +444,43 @@ class _OpOrder(TorchDispatchMode):
 
 
 def test_the_shared_experts_run_while_the_split_sizes_travel_to_the_host():
-    """The GPU has the shared experts queued between the split sizes' copy to the host and the host's wait for it, so
-    that it does not idle while the woken host launches the rest of the block."""
+    """The shared experts sit between the split sizes' copy to the host and the host's wait for it by data, not by
+    program order, which a compiler may change: in the compiled block their GEMMs' input depends on the copy's start
+    and the wait on their output. So the GPU computes them while the host waits and while the woken host launches
+    the rest of the block."""
     torch.manual_seed(0)
-    moe = MoE(CFG)
-    calls = []
-    moe.shared_experts.register_forward_hook(lambda *_: calls.append("shared"))
+    moe = MoE(CFG).bfloat16()  # the grouped GEMM traces in bf16 only
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         moe.dispatcher = dispatch.AllToAllDispatcher(dist.group.WORLD, CFG.n_routed_experts)
-        order = _OpOrder()
-        with order:
-            moe(torch.randn(2, 8, CFG.dim))
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            torch.compile(moe, backend=capture, fullgraph=True)(torch.randn(2, 8, CFG.dim, dtype=torch.bfloat16))
     finally:
         dist.destroy_process_group()
-    ops = [str(op) for op in order.ops]
-    start, finish = ops.index("dsv3.start_copy_to_host.default"), ops.index("dsv3.finish_copy_to_host.default")
-    assert calls == ["shared"] and start < finish
-    assert ops[start:finish].count("aten.mm.default") == 3, ops[start:finish + 1]  # w1, w3, w2
+        torch._dynamo.reset()
+    (graph,) = graphs
+    nodes = list(graph.graph.nodes)
+
+    def ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+        seen, todo = set(), list(node.all_input_nodes)
+        while todo:
+            n = todo.pop()
+            if n not in seen:
+                seen.add(n)
+                todo.extend(n.all_input_nodes)
+        return seen
+
+    (start,) = [n for n in nodes if n.target is torch.ops.dsv3.start_copy_to_host]
+    (finish,) = [n for n in nodes if n.target is torch.ops.dsv3.finish_copy_to_host]
+    shared = [n for n in nodes if n.target is F.linear and "shared_experts" in n.args[1].name]
+    assert len(shared) == 3  # w1, w3, w2
+    assert all(start in ancestors(n) for n in shared) and set(shared) <= ancestors(finish)
 
 
 @pytest.mark.gpu
