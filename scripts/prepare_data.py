@@ -157,18 +157,26 @@ def tokenize_units(units: list[Unit], staging: Path, tokenizer: Tokenizer, dtype
     # Workers fork before the bar starts its monitor thread: a process should fork while it has one thread.
     workers = min(workers, len(todo))
     pool = start_workers(tokenizer, dtype, options, workers) if workers > 1 else None
-    # The bar is a `with` block so that it ends its line before an error reaches stderr.
-    with pool or contextlib.nullcontext(), tqdm(total=len(units), initial=len(units) - len(todo),
-                                                 desc="tokenizing", unit="unit", disable=not progress) as bar:
-        if pool:  # in unit order, so that the first failing unit in corpus order is the one reported
-            counts = pool.imap(run_unit, todo)
-        else:
-            counts = (tokenize_unit(unit, stem, tokenizer, dtype, options) for unit, stem in todo)
-        tokens = 0
-        for count in counts:
-            tokens += count
-            bar.set_postfix(tokens=f"{tokens:,}", refresh=False)
-            bar.update()
+    try:
+        # The bar is a `with` block so that it ends its line before an error reaches stderr.
+        with tqdm(total=len(units), initial=len(units) - len(todo), desc="tokenizing", unit="unit",
+                  disable=not progress) as bar:
+            if pool:  # in unit order, so that the first failing unit in corpus order is the one reported
+                counts = pool.imap(run_unit, todo)
+            else:
+                counts = (tokenize_unit(unit, stem, tokenizer, dtype, options) for unit, stem in todo)
+            tokens = 0
+            for count in counts:
+                tokens += count
+                bar.set_postfix(tokens=f"{tokens:,}", refresh=False)
+                bar.update()
+    except BaseException:
+        if pool:
+            pool.terminate()
+        raise
+    if pool:  # every unit done: the workers exit on their own (a pool's `with` terminates them, which once hung)
+        pool.close()
+        pool.join()
     return stems
 
 

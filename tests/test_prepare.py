@@ -4,6 +4,7 @@ import fcntl
 import gzip
 import hashlib
 import json
+import multiprocessing.pool
 import re
 import subprocess
 import sys
@@ -124,17 +125,22 @@ def test_jsonl_chunks_hold_every_line_exactly_once(tmp_path, chunk_bytes):
     assert [doc for unit in units for doc in read_unit(unit, ReadOptions())] == DOCS
 
 
-def test_any_worker_count_writes_byte_identical_datasets(tmp_path):
+def test_any_worker_count_writes_byte_identical_datasets(tmp_path, monkeypatch):
+    """1, 2 or 3 workers write byte-identical datasets, and a finished run's workers exit on their own, none left
+    behind (a run that terminated its pool once hung after its last unit)."""
     corpus = mixed_corpus(tmp_path / "corpus")
     options = ReadOptions()
     units = prepare_data.corpus_units([str(corpus)], 800, options)
     assert sum(u.path.endswith("a.jsonl") for u in units) > 3 and sum(u.kind == "parquet" for u in units) > 1
+    terminated = []
+    monkeypatch.setattr(multiprocessing.pool.Pool, "terminate", lambda pool: terminated.append(pool))
     outputs = []
     for workers in (1, 2, 3):
         out = tmp_path / f"out{workers}"
         prepare([str(corpus)], TOKENIZER, str(out), val_fraction=0.05, shard_tokens=500, workers=workers,
                 chunk_bytes=800, progress=False)
         outputs.append(dataset_files(out))
+        assert not terminated and not multiprocessing.active_children()
     assert outputs[0] == outputs[1] == outputs[2]
     assert len([name for name in outputs[0] if name.startswith("train/shard_")]) > 3
     # the documents in corpus order, val the 2nd and every 20th: nothing lost or repeated at chunk edges
