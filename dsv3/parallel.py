@@ -205,9 +205,10 @@ def apply_compile(model: Transformer, world: int, backend: str | Callable = "ind
     # EP's split sizes (`dispatch.host_splits`) as unbacked SymInts: no graph break, no recompile
     torch._dynamo.config.capture_scalar_outputs = True
     # Inside a checkpoint a recompile between a block's forward and its recompute would run another graph, which
-    # selective AC rejects: sizes that change unmarked (DeepEP's row counts, the MTP block's sequence, the rows after
-    # a padding graph break) are dynamic from the first compile.
-    dynamic = True if deepep or len(model.mtp) or pads else None
+    # selective AC rejects: sizes that change unmarked (DeepEP's row counts, the MTP block's sequence, the rows and
+    # split sizes after a padding graph break or after the hooks of the experts' own FSDP unit at ep < world) are
+    # dynamic from the first compile.
+    dynamic = True if deepep or len(model.mtp) or pads or 1 < ep < world else None
     for block in model.blocks():
         inner = getattr(block, "_checkpoint_wrapped_module", None)
         if inner is not None and isinstance(inner.ffn, MoE) and not whole:
