@@ -16,6 +16,7 @@ docs/deepep.md#how-the-dispatcher-works.
 from __future__ import annotations
 
 import atexit
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -118,7 +119,8 @@ class AllToAllDispatcher:
         copying, after_copy = torch.ops.dsv3.start_copy_to_host(sizes)
         return copying, order, after_copy, []
 
-    def run_during_copy(self, fn, x: torch.Tensor, started: tuple) -> tuple[torch.Tensor, tuple]:
+    def run_during_copy(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                        started: tuple) -> tuple[torch.Tensor, tuple]:
         """fn(x), queued on the GPU between the split sizes' copy to the host and the host's wait for them, however
         the compiler orders the block: its input waits for the copy's start (+ 0), the host's wait for its output.
         So the GPU computes while the host waits, and while the woken host launches the dispatch's small kernels."""

@@ -14,6 +14,7 @@ scatter (docs/performance.md#the-routed-experts-token-copies).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -30,7 +31,8 @@ class Dispatcher(Protocol):
     def start(self, topk_idx: torch.Tensor, tokens_per_expert: torch.Tensor) -> Any:
         """What `dispatch` needs of the routing alone (topk_idx [T, K], tokens_per_expert [E]), begun early."""
 
-    def run_during_copy(self, fn: Any, x: torch.Tensor, started: Any) -> tuple[torch.Tensor, Any]:
+    def run_during_copy(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                        started: Any) -> tuple[torch.Tensor, Any]:
         """With `shared_experts_first`: (fn(x), `started` for `dispatch`), fn's work queued while the split sizes
         travel to the host."""
 
