@@ -248,29 +248,64 @@ _buffers: dict[int, Any] = {}  # id(buffer) → the deep_ep.Buffer (or a test's 
 def deepep_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, n_experts: int,
                     buffer_key: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                               torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """buffer.dispatch of tokens and gate weights → (recv_x, recv_weights, recv_idx, receive counts per local expert
-    on the host, *handle). The host waits for the receive counts."""
+    """buffer.dispatch of tokens and gate weights → (recv_x [R, D], recv_weights [R, K], recv_idx [R, K], the rows
+    received (one per token and local expert) as a host tensor [1], *handle). The host waits for the receive counts."""
     buffer = _buffers[buffer_key]
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, n_experts)
     recv_x, recv_idx, recv_weights, recv_counts, handle, _ = buffer.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
         topk_idx=topk_idx, topk_weights=topk_weights)
-    return recv_x, recv_weights, recv_idx, torch.tensor(recv_counts, dtype=torch.int64), *handle
+    return recv_x, recv_weights, recv_idx, torch.tensor([sum(recv_counts)], dtype=torch.int64), *handle
+
+
+@deepep_dispatch.register_fake
+def _(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, n_experts: int, buffer_key: int):
+    """Traced, the received count R is an unbacked size; the handle's shapes are DeepEP's intranode ones."""
+    buffer = _buffers[buffer_key]
+    ep, channels = buffer.group_size, type(buffer).num_sms // 2  # the dispatch config's channels: one per 2 SMs
+    (n_tokens, topk), received = topk_idx.shape, torch.library.get_ctx().new_dynamic_size()
+
+    def int32(*shape: Any) -> torch.Tensor:
+        return x.new_empty(shape, dtype=torch.int32)
+
+    return (x.new_empty(received, x.size(1)), topk_weights.new_empty(received, topk),
+            topk_idx.new_empty(received, topk), torch.empty(1, dtype=torch.int64),
+            int32(ep, ep), int32(ep, channels), int32(ep, channels), int32(received),  # rank/channel prefixes, source
+            x.new_empty(n_tokens, ep, dtype=torch.bool), int32(n_tokens, ep))  # token in rank, send head
 
 
 def _dispatch_setup(ctx, inputs, output) -> None:
-    ctx.buffer_key, ctx.handle = inputs[4], output[4:]
+    ctx.buffer_key, ctx.handle, ctx.topk = inputs[4], output[4:], inputs[1].size(1)
 
 
 def _dispatch_backward(ctx, grad_recv_x, grad_recv_weights, *_):
-    """A combine of both gradients."""
-    weights = None if grad_recv_weights is None else grad_recv_weights.float().contiguous()
-    grad_x, grad_weights, _ = _buffers[ctx.buffer_key].combine(grad_recv_x.contiguous(), ctx.handle,
-                                                                topk_weights=weights)
+    """A combine of both gradients (an op: the compiler traces this backward)."""
+    weights = grad_recv_weights.float() if grad_recv_weights is not None else grad_recv_x.new_zeros(
+        grad_recv_x.size(0), ctx.topk, dtype=torch.float32)
+    grad_x, grad_weights = torch.ops.dsv3.deepep_combine_gradients(grad_recv_x, weights, ctx.buffer_key, *ctx.handle)
     return grad_x, None, grad_weights, None, None
 
 
 deepep_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+
+
+@torch.library.custom_op("dsv3::deepep_combine_gradients", mutates_args=())
+def deepep_combine_gradients(grad_recv_x: torch.Tensor, grad_recv_weights: torch.Tensor, buffer_key: int,
+                             handle0: torch.Tensor, handle1: torch.Tensor, handle2: torch.Tensor,
+                             handle3: torch.Tensor, handle4: torch.Tensor,
+                             handle5: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """buffer.combine of the received tokens' gradients and their gate weights' → (∂x [T, D], ∂weights [T, K])."""
+    grad_x, grad_weights, _ = _buffers[buffer_key].combine(
+        grad_recv_x.contiguous(), (handle0, handle1, handle2, handle3, handle4, handle5),
+        topk_weights=grad_recv_weights.contiguous())
+    return grad_x, grad_weights
+
+
+@deepep_combine_gradients.register_fake
+def _(grad_recv_x, grad_recv_weights, buffer_key, handle0, handle1, handle2, handle3, handle4, handle5):
+    n_tokens = handle5.size(0)  # send_head [T, ep], whose rows DeepEP's combine returns
+    return (grad_recv_x.new_empty(n_tokens, grad_recv_x.size(1)),
+            grad_recv_weights.new_empty(n_tokens, grad_recv_weights.size(1)))
 
 _pending_combine = None  # the event of the combine in flight (an op returns only tensors)
 
@@ -310,7 +345,8 @@ class DeepEPDispatcher:
         self.buffer_key = id(buffer)
         _buffers[self.buffer_key] = buffer
         self.n_experts = n_experts
-        self.n_local = n_experts // buffer.group_size
+        self.ep = buffer.group_size
+        self.n_local = n_experts // self.ep
         self.align = align
 
     def start(self, topk_idx: torch.Tensor, tokens_per_expert: torch.Tensor) -> None:
@@ -319,22 +355,28 @@ class DeepEPDispatcher:
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  started: None = None) -> tuple[TokenCopies, torch.Tensor, Any]:
         recv_x, recv_weights, recv_idx, n_rows, handle = self._exchange(x, topk_idx, topk_weights)
-        # compiled with the block: only the exchange itself runs eagerly
-        order, expert_of_row, tokens_per_local_expert = expert_rows(recv_idx, self.n_local, n_rows)
-        # N varies by step: few buffer sizes (bucket); none received: zero rows for every expert
-        if pads_groups(self.align, x.device) or not n_rows:
+        # after what was received, a zero row of our own that our last expert computes (weight 0), as all_to_all
+        # sends itself one: no size is ever 0 (R may be), so nothing branches on a count (traced, R is unbacked)
+        topk = recv_idx.size(1)
+        zero_row_idx = torch.full((1, topk), -1, dtype=recv_idx.dtype, device=recv_idx.device)
+        zero_row_idx[0, 0] = self.n_local - 1
+        recv_x = torch.cat([recv_x, recv_x.new_zeros(1, recv_x.size(1))])
+        recv_idx = torch.cat([recv_idx, zero_row_idx])
+        recv_weights = torch.cat([recv_weights, recv_weights.new_zeros(1, topk)])
+        order, expert_of_row, tokens_per_local_expert = expert_rows(recv_idx, self.n_local, n_rows + 1)
+        if pads_groups(self.align, x.device):  # N varies by step: few buffer sizes (bucket)
             order, tokens_per_local_expert = pad_order(order, expert_of_row, tokens_per_local_expert, self.align,
                                                        bucket=True)
-        # the experts sum each received token's rows (`TokenCopies.weights`) into one row per received token (R may be
-        # 0; R > 0 implies N > 0: DeepEP sends a token only to ranks that hold one of its experts)
-        copies = TokenCopies(recv_x, order, recv_idx.size(1), recv_weights, received=True)
+        # the experts sum each received token's rows (`TokenCopies.weights`) into one row per received token
+        copies = TokenCopies(recv_x, order, topk, recv_weights, received=True)
         return copies, tokens_per_local_expert, handle
 
     @torch.compiler.disable
     def combine(self, token_y: torch.Tensor, handle: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """token_y [R, D]: the experts' sums per received token. Starts the exchange and returns y before it has
-        arrived: call `wait(y)` before reading y. (Selective AC's recompute returns the saved y at once.)"""
-        return torch.ops.dsv3.deepep_combine(token_y, self.buffer_key, *handle)
+        """token_y [R + 1, D]: the experts' sums per received token and the zero row's. Starts the exchange and
+        returns y before it has arrived: call `wait(y)` before reading y. (Selective AC's recompute returns the saved
+        y at once.)"""
+        return torch.ops.dsv3.deepep_combine(token_y[:-1], self.buffer_key, *handle)
 
     @torch.compiler.disable
     def wait(self, y: torch.Tensor) -> torch.Tensor:
@@ -345,9 +387,12 @@ class DeepEPDispatcher:
             event.current_stream_wait()
         return y
 
-    # DeepEP's calls stay out of torch.compile (graph breaks): host-side receive counts.
-    @torch.compiler.disable
     def _exchange(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
-        recv_x, recv_weights, recv_idx, recv_counts, *handle = torch.ops.dsv3.deepep_dispatch(
+        """The dispatch, traced: under torch.compile (with `capture_scalar_outputs`) the received tokens and rows
+        are unbacked SymInts, as all_to_all's split sizes are."""
+        recv_x, recv_weights, recv_idx, n_rows, *handle = torch.ops.dsv3.deepep_dispatch(
             x, topk_idx, topk_weights, self.n_experts, self.buffer_key)
-        return recv_x, recv_weights, recv_idx, int(recv_counts.sum()), tuple(handle)
+        n_rows = n_rows.item()
+        torch._check(n_rows >= 0)
+        torch._check(n_rows <= recv_idx.numel())  # expert_rows' slice: exactly n_rows, no new unknown size
+        return recv_x, recv_weights, recv_idx, n_rows, tuple(handle)

@@ -196,19 +196,20 @@ def apply_compile(model: Transformer, world: int, backend: str | Callable = "ind
     around their checkpoint where `moe_blocks_compile_whole`, else inside it. Call after `apply_expert_parallel`."""
     dispatchers = [m.dispatcher for m in moe_layers(model)]
     deepep = any(isinstance(d, dispatch.DeepEPDispatcher) for d in dispatchers)
-    all_to_all = [d for d in dispatchers if isinstance(d, dispatch.AllToAllDispatcher)]
-    ep = all_to_all[0].ep if all_to_all else 1
+    expert_parallel = [d for d in dispatchers if isinstance(d, dispatch.AllToAllDispatcher | dispatch.DeepEPDispatcher)]
+    ep = expert_parallel[0].ep if expert_parallel else 1
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the model may still be on meta
-    pads = any(pads_groups(d.align, device) for d in all_to_all)  # bucketed: a graph break in the all_to_all block
-    whole = moe_blocks_compile_whole(world, world if deepep else ep, "deepep" if deepep else "all_to_all",
-                                     len(model.mtp), pads)
-    # EP's split sizes (`dispatch.host_splits`) as unbacked SymInts: no graph break, no recompile
+    pads = any(pads_groups(d.align, device) for d in expert_parallel)  # bucketed: a graph break in the block
+    whole = moe_blocks_compile_whole(world, ep, "deepep" if deepep else "all_to_all", len(model.mtp), pads)
+    # EP's split sizes (`dispatch.host_splits`) and DeepEP's received counts as unbacked SymInts: no graph break at
+    # the exchange, no recompile
     torch._dynamo.config.capture_scalar_outputs = True
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
     # Inside a checkpoint a recompile between a block's forward and its recompute would run another graph, which
-    # selective AC rejects: sizes that change unmarked (DeepEP's row counts, the MTP block's sequence, the rows and
-    # split sizes after a padding graph break or after the hooks of the experts' own FSDP unit at ep < world) are
-    # dynamic from the first compile.
-    dynamic = True if deepep or len(model.mtp) or pads or 1 < ep < world else None
+    # selective AC rejects: sizes that change unmarked (the MTP block's sequence, the rows and split sizes after a
+    # padding graph break or after the hooks of the experts' own FSDP unit at ep < world) are dynamic from the first
+    # compile.
+    dynamic = True if len(model.mtp) or pads or 1 < ep < world else None
     for block in model.blocks():
         inner = getattr(block, "_checkpoint_wrapped_module", None)
         if inner is not None and isinstance(inner.ffn, MoE) and not whole:

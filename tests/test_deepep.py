@@ -121,13 +121,19 @@ def test_simulated_exchange_matches_local_experts(ep):
         torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6)
 
 
-HANDLE = tuple(torch.full((1,), i) for i in range(6))  # deep_ep's intranode handle: six tensors
+def loopback_handle(n_tokens: int, n_received: int) -> tuple[torch.Tensor, ...]:
+    """deep_ep's intranode handle at one rank and one channel (2 SMs), six tensors in its shapes: the rank and
+    channel prefix matrices, the received tokens' sources, token in rank, send head."""
+    return (torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
+            torch.zeros(1, 1, dtype=torch.int32), torch.arange(n_received, dtype=torch.int32),
+            torch.ones(n_tokens, 1, dtype=torch.bool), torch.zeros(n_tokens, 1, dtype=torch.int32))
 
 
 class LoopbackBuffer:
     """deep_ep.Buffer's normal-mode calls at one rank (every expert local): dispatch and combine copy."""
 
     group_size = 1
+    num_sms = 2  # deep_ep.Buffer's class setting: the dispatch's channels are half of it
 
     class Event:
         def current_stream_wait(self):
@@ -144,10 +150,11 @@ class LoopbackBuffer:
             return x.clone(), None, None, None, None, self.Event()
         assert topk_idx.dtype == torch.int64 and topk_weights.dtype == torch.float32
         counts = num_tokens_per_expert.tolist()
-        return x.clone(), topk_idx.clone(), topk_weights.clone(), counts, HANDLE, self.Event()
+        return (x.clone(), topk_idx.clone(), topk_weights.clone(), counts, loopback_handle(len(x), len(x)),
+                self.Event())
 
     def combine(self, x, handle, topk_weights=None, async_finish=False, **kwargs):
-        assert len(handle) == len(HANDLE) and all(h.equal(g) for h, g in zip(handle, HANDLE))
+        assert len(handle) == 6 and handle[3].numel() == len(x)  # as many rows back as were received
         return x.clone(), None if topk_weights is None else topk_weights.clone(), self.Event()
 
 
@@ -241,7 +248,8 @@ class _NothingReceived(LoopbackBuffer):
     def dispatch(self, x, handle=None, topk_idx=None, topk_weights=None, **kwargs):
         if handle is not None:
             return x[:0].clone(), None, None, None, None, self.Event()
-        return x[:0].clone(), topk_idx[:0].clone(), topk_weights[:0].clone(), [0] * E, HANDLE, self.Event()
+        return (x[:0].clone(), topk_idx[:0].clone(), topk_weights[:0].clone(), [0] * E, loopback_handle(len(x), 0),
+                self.Event())
 
     def combine(self, x, handle, topk_weights=None, async_finish=False, **kwargs):
         return x.new_zeros(T, x.size(1)), None, self.Event()
@@ -249,13 +257,14 @@ class _NothingReceived(LoopbackBuffer):
 
 @pytest.mark.parametrize("align", [1, 16])
 def test_a_rank_that_received_no_tokens_runs_forward_and_backward(align):
-    """R = 0: the experts run on padding rows only; nothing gets a gradient, and nothing fails."""
+    """R = 0: the experts run on the rank's own zero row (and padding rows) only; nothing gets a gradient, and
+    nothing fails."""
     experts = make_experts()
     dispatcher = DeepEPDispatcher(_NothingReceived(), E, align)
     x, topk_idx, weights = routing(0)
     copies, counts, ctx = dispatcher.dispatch(x, topk_idx, weights, torch.bincount(topk_idx.flatten(), minlength=E))
     expert_x = copies.gather()
-    assert expert_x.size(0) >= E and (expert_x == 0).all() and counts.sum() == expert_x.size(0)
+    assert expert_x.size(0) >= 1 and (expert_x == 0).all() and counts.sum() <= expert_x.size(0)
     y = dispatcher.wait(dispatcher.combine(experts(copies, counts), ctx))
     y.sum().backward()
     assert (x.grad == 0).all() and (experts.w13.grad == 0).all() and (experts.w2.grad == 0).all()
@@ -264,10 +273,11 @@ def test_a_rank_that_received_no_tokens_runs_forward_and_backward(align):
 @pytest.mark.parametrize("align", [1, 16])
 @pytest.mark.slow
 def test_compiled_dispatcher_compiles_the_expert_side_and_matches_the_local_dispatcher(align):
-    """Under torch.compile (dynamo + AOTAutograd, eager kernels) only DeepEP's calls (and the bucket size) break
-    the graph: the expand/sort and the weighted reduce land in compiled forward graphs, and outputs and gradients
-    equal the uncompiled local dispatcher's exactly, for two token counts, with padded groups (align 16: bucketed
-    buffer sizes under dynamic shapes) or not. bf16: what the grouped GEMM takes under compile."""
+    """Under torch.compile (dynamo + AOTAutograd, eager kernels, `parallel.apply_compile`'s capture settings) the
+    dispatch is traced with the received counts unbacked: it, the expand/sort and the weighted reduce land in
+    compiled forward graphs, and only the combine, its wait (and the bucket size) break the graph. Outputs and
+    gradients equal the uncompiled local dispatcher's exactly, for two token counts, with padded groups (align 16:
+    bucketed buffer sizes under dynamic shapes) or not. bf16: what the grouped GEMM takes under compile."""
     torch.manual_seed(0)
     ref = MoE(moe_config())
     for p in ref.parameters():
@@ -285,21 +295,26 @@ def test_compiled_dispatcher_compiles_the_expert_side_and_matches_the_local_disp
     torch._dynamo.reset()
     try:
         compiled = torch.compile(moe, backend=aot_autograd(fw_compiler=record))
-        for tokens in (10, 14):  # a new received-token count: a dynamic-shape recompile, not a failure
-            x = torch.randn(2, tokens, 32, dtype=torch.bfloat16)
-            outs = []
-            for model, params in ((ref, ref), (compiled, moe)):
-                xi = x.clone().requires_grad_()
-                y = model(xi).y
-                y.square().sum().backward()
-                outs.append((y, xi.grad, [p.grad.clone() for p in params.parameters()]))
-                params.zero_grad()
-            torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+        with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
+            for tokens in (10, 14):  # a new token count: a dynamic-shape recompile, not a failure
+                x = torch.randn(2, tokens, 32, dtype=torch.bfloat16)
+                outs = []
+                for model, params in ((ref, ref), (compiled, moe)):
+                    xi = x.clone().requires_grad_()
+                    y = model(xi).y
+                    y.square().sum().backward()
+                    outs.append((y, xi.grad, [p.grad.clone() for p in params.parameters()]))
+                    params.zero_grad()
+                (y, dx, grads), (y_ref, dx_ref, grads_ref) = outs[1], outs[0]
+                torch.testing.assert_close((y, grads), (y_ref, grads_ref), rtol=0, atol=0)
+                # the input's gradient sums three paths (router, exchange, shared experts), which the compiled
+                # graph adds in another order: within one bf16 ulp of its largest element
+                torch.testing.assert_close(dx, dx_ref, rtol=0, atol=dx_ref.abs().max().item() * 2 ** -7)
     finally:
         torch._dynamo.reset()
     captured = [str(node.target) for gm in forward_graphs for node in gm.graph.nodes]
     # sort: expert_rows; scatter.src: the weighted reduce's slot → row map; index.Tensor: its gathers
-    for op in ("sort", "aten.scatter.src", "aten.index.Tensor"):
+    for op in ("dsv3.deepep_dispatch", "sort", "aten.scatter.src", "aten.index.Tensor"):
         assert any(op in t for t in captured), (op, captured)
 
 
