@@ -23,7 +23,14 @@ import torch
 import torch.distributed as dist
 
 from dsv3.config import UserError
-from dsv3.token_copies import TokenCopies, gather_token_copies, pad_order, pads_groups, sum_token_copies
+from dsv3.token_copies import (
+    TokenCopies,
+    argsort_small,
+    gather_token_copies,
+    pad_order,
+    pads_groups,
+    sum_token_copies,
+)
 
 
 def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
@@ -109,7 +116,7 @@ class AllToAllDispatcher:
         # row (pair −1) that one of its experts computes: no size is ever 0, no branch reads a count (one graph)
         ranks = torch.arange(ep, device=device)
         key = torch.where(in_rank, 2 * ranks, 2 * ep).flatten()  # [T·ep], pairs not sent last
-        order = torch.cat([key, key.new_full((1,), 2 * self.rank + 1)]).argsort(stable=True)
+        order = argsort_small(torch.cat([key, key.new_full((1,), 2 * self.rank + 1)]))
         phantom = (ranks == self.rank).long()  # [ep]
         # counts[s]: our copies for each of rank s's experts, and the tokens we send it; received[src]: theirs for us
         counts = torch.cat([tokens_per_expert.view(ep, n_local), (in_rank.sum(0) + phantom)[:, None]], dim=1)
@@ -163,7 +170,7 @@ class AllToAllDispatcher:
         """token_y [R, D]: the experts' sums per received token → y [T, D], each token's sum over its ranks."""
         order, sent, got, n_tokens = ctx
         pair_y = exchange(token_y, sent, got, self.group)  # [n_sent, D] in the order sent
-        return sum_token_copies(pair_y, order, self.ep, n_tokens)
+        return sum_token_copies(pair_y, order, self.ep, n_tokens, received=True)
 
     def wait(self, y: torch.Tensor) -> torch.Tensor:
         return y
@@ -232,7 +239,7 @@ def expert_rows(recv_topk_idx: torch.Tensor, n_local: int, n_rows: int
     tokens_per_local_expert [n_local]), with no host sync."""
     local = recv_topk_idx.flatten()
     local = torch.where(local >= 0, local, n_local)  # other ranks' experts sort after ours
-    order = local.argsort(stable=True)[:n_rows]  # by local expert, then by received token
+    order = argsort_small(local)[:n_rows]  # by local expert, then by received token
     counts = torch.zeros(n_local + 1, dtype=torch.int64, device=local.device)
     counts.scatter_add_(0, local, torch.ones_like(local))
     return order, local[order], counts[:n_local]

@@ -63,7 +63,7 @@ class LocalDispatcher:
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  tokens_per_expert: torch.Tensor) -> tuple[TokenCopies, torch.Tensor, Any]:
         flat_idx = topk_idx.flatten()  # [T·K] the expert of each slot
-        order = flat_idx.argsort(stable=True)  # [N = T·K] slots sorted by expert
+        order = argsort_small(flat_idx)  # [N = T·K] slots sorted by expert
         if pads_groups(self.align, x.device):
             order, tokens_per_expert = pad_order(order, flat_idx[order], tokens_per_expert, self.align)
         return TokenCopies(x, order, topk_idx.size(1), topk_weights), tokens_per_expert, None
@@ -73,6 +73,12 @@ class LocalDispatcher:
 
     def wait(self, y: torch.Tensor) -> torch.Tensor:
         return y
+
+
+def argsort_small(keys: torch.Tensor) -> torch.Tensor:
+    """The stable argsort of `keys`, ids in [0, 2¹⁵) (experts, ranks): sorted as int16, so that CUDA's radix sort makes
+    two passes over them where int64 keys took eight."""
+    return keys.to(torch.int16).argsort(stable=True)
 
 
 def pads_groups(align: int, device: torch.device) -> bool:
@@ -159,11 +165,13 @@ def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _sum_rows_of_slots(rows: torch.Tensor, row_of_slot: torch.Tensor,
-                       slot_weights: torch.Tensor | None = None) -> torch.Tensor:
+def _sum_rows_of_slots(rows: torch.Tensor, row_of_slot: torch.Tensor, slot_weights: torch.Tensor | None = None,
+                       by_kernel: bool = False) -> torch.Tensor:
     """Σ_k rows[row_of_slot[:, k]] (· slot_weights[:, k]) [T, D], summed in fp32 (fp64 rows: fp64), in the rows'
     dtype; slots without a row (−1) add nothing. K gathers summed elementwise, one pointwise kernel under inductor
-    (docs/performance.md#the-routed-experts-token-copies)."""
+    (docs/performance.md#the-routed-experts-token-copies); `by_kernel`: dsv3.token_copies_kernels' (`_by_kernels`)."""
+    if by_kernel:
+        return torch.ops.dsv3.sum_rows(rows, row_of_slot, slot_weights)
     # torch<2.14: the K columns by unbind, not range(row_of_slot.size(1)): traced inside a checkpoint, torch 2.11's
     # dynamo returns every intermediate of an autograd.Function's forward, and fails (AssertionError) on that size
     weights = slot_weights.unbind(1) if slot_weights is not None else [None] * row_of_slot.size(1)
@@ -183,7 +191,7 @@ class _GatheredRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, order, topk, by_kernel):
         ctx.save_for_backward(order)
-        ctx.topk, ctx.n_tokens = topk, x.size(0)
+        ctx.topk, ctx.n_tokens, ctx.by_kernel = topk, x.size(0), by_kernel
         if not x.size(0):  # an expert-parallel rank that received no tokens: padding rows only
             return x.new_zeros(order.numel(), x.size(1))
         if by_kernel:
@@ -193,33 +201,35 @@ class _GatheredRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows):
         (order,) = ctx.saved_tensors
-        return _sum_of_rows(grad_rows, order, ctx.topk, ctx.n_tokens), None, None, None
+        return _sum_of_rows(grad_rows, order, ctx.topk, ctx.n_tokens, ctx.by_kernel), None, None, None
 
 
-def sum_token_copies(rows: torch.Tensor, order: torch.Tensor, topk: int, n_tokens: int) -> torch.Tensor:
+def sum_token_copies(rows: torch.Tensor, order: torch.Tensor, topk: int, n_tokens: int,
+                     received: bool = False) -> torch.Tensor:
     """rows [N, D] in `order` → [T, D], each token's sum of its rows (the gradient of `gather_token_copies`, and its
-    inverse: its backward gathers)."""
-    return _SummedRows.apply(rows, order, topk, n_tokens)
+    inverse: its backward gathers). `received`: the rows are what an exchange received (see `TokenCopies`)."""
+    return _SummedRows.apply(rows, order, topk, n_tokens, _by_kernels(received, rows))
 
 
-def _sum_of_rows(rows: torch.Tensor, order: torch.Tensor, topk: int, n_tokens: int) -> torch.Tensor:
+def _sum_of_rows(rows: torch.Tensor, order: torch.Tensor, topk: int, n_tokens: int,
+                 by_kernel: bool = False) -> torch.Tensor:
     if not rows.size(0):  # no row was gathered (EP: a rank that received no tokens): nothing to sum
         return rows.new_zeros(n_tokens, rows.size(1))
     rows_of_token = row_of_slot(order, n_tokens * topk).view(-1, topk)  # [T, K]
-    return _sum_rows_of_slots(rows, rows_of_token)
+    return _sum_rows_of_slots(rows, rows_of_token, by_kernel=by_kernel)
 
 
 class _SummedRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, order, topk, n_tokens):
+    def forward(ctx, rows, order, topk, n_tokens, by_kernel):
         ctx.save_for_backward(order)
-        ctx.topk = topk
-        return _sum_of_rows(rows, order, topk, n_tokens)
+        ctx.topk, ctx.by_kernel = topk, by_kernel
+        return _sum_of_rows(rows, order, topk, n_tokens, by_kernel)
 
     @staticmethod
     def backward(ctx, grad_y):
         (order,) = ctx.saved_tensors
-        return gather_token_copies(grad_y, order, ctx.topk), None, None, None
+        return _GatheredRows.apply(grad_y, order, ctx.topk, ctx.by_kernel), None, None, None, None
 
 
 def combine_token_copies(rows: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor,
@@ -237,7 +247,7 @@ class _WeightedRowSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, weights, row_of_slot, order, by_kernel):
-        y, slot_weights = weighted_row_sum(rows, weights, row_of_slot)
+        y, slot_weights = weighted_row_sum(rows, weights, row_of_slot, by_kernel)
         ctx.save_for_backward(rows, slot_weights, row_of_slot, order)
         ctx.weights_dtype, ctx.by_kernel = weights.dtype, by_kernel
         return y
@@ -261,12 +271,12 @@ class _WeightedRowSum(torch.autograd.Function):
         return grad_rows, slot_gradients(grad_weight_of_row, row_of_slot, ctx.weights_dtype), None, None, None
 
 
-def weighted_row_sum(rows: torch.Tensor, weights: torch.Tensor, row_of_slot: torch.Tensor
+def weighted_row_sum(rows: torch.Tensor, weights: torch.Tensor, row_of_slot: torch.Tensor, by_kernel: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """y_t = Σ_k g_t,k · rows[row_of_slot[t, k]] [T, D], and the slots' weights [T, K] in the rows' dtype that it
     multiplied (0 where no row holds the slot: the junk weights of other ranks' experts under DeepEP)."""
     slot_weights = torch.where(row_of_slot >= 0, weights, 0.0).to(rows.dtype)
-    return _sum_rows_of_slots(rows, row_of_slot, slot_weights), slot_weights
+    return _sum_rows_of_slots(rows, row_of_slot, slot_weights, by_kernel), slot_weights
 
 
 def slot_gradients(grad_of_row: torch.Tensor, row_of_slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Two of the token copies' kernels by hand, for tokens that an expert-parallel exchange received
+"""Three of the token copies' kernels by hand, for tokens that an expert-parallel exchange received
 (`token_copies.TokenCopies.received`). There inductor can fuse the gather with nothing that made the tokens, and
 it sees the row count as an unbacked size, so its kernels index in int64, mask every element and are tuned for a
 small default size (docs/performance.md#the-routed-experts-token-copies):
@@ -7,6 +7,8 @@ small default size (docs/performance.md#the-routed-experts-token-copies):
     combine_rows_backward   from ∂y [T, D], the rows [N, D] and the slots' gate weights [T·K]:
                             ∂rows[n] = g_slot · ∂y_t and ∂g_slot = ⟨∂y_t, rows[n]⟩ (fp32), t = slot // K,
                             one pass that reads ∂y_t and the row once for both
+    sum_rows                y_t = Σ_k (g_t,k ·) rows[row_of_slot[t, k]] in fp32, slots without a row adding nothing:
+                            the experts' weighted sum of a token's rows, and the gather's backward (unweighted)
 
 Imported only on CUDA: it needs triton.
 """
@@ -19,6 +21,7 @@ import triton.language as tl
 
 GATHER_ROWS, GATHER_COLS = 64, 128  # the block of [N, D] one gather program copies
 COMBINE_ROWS, COMBINE_COLS = 8, 512  # the rows one backward program takes, and the columns of each step along D
+SUM_ROWS, SUM_COLS = 16, 256  # the block of [T, D] one sum program writes
 WARPS = 4
 
 
@@ -102,3 +105,43 @@ def _(grad_y: torch.Tensor, rows: torch.Tensor, slot_weights: torch.Tensor,
       order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(rows, memory_format=torch.contiguous_format), rows.new_empty(rows.size(0),
                                                                                         dtype=torch.float32)
+
+
+@triton.jit
+def _sum_rows_kernel(rows_ptr, row_of_slot_ptr, slot_weights_ptr, out_ptr, T, D: tl.constexpr, TOPK: tl.constexpr,
+                     WEIGHTED: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    tokens = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    in_tokens, in_cols = tokens < T, cols < D
+    total = tl.zeros([ROWS, COLS], dtype=tl.float32)
+    for k in tl.static_range(TOPK):  # in k's order, as the torch op sums
+        row = tl.load(row_of_slot_ptr + tokens * TOPK + k, mask=in_tokens, other=-1)
+        held = row >= 0
+        term = tl.load(rows_ptr + tl.where(held, row, 0).to(tl.int64)[:, None] * D + cols[None, :],
+                       mask=held[:, None] & in_cols[None, :], other=0.0).to(tl.float32)
+        if WEIGHTED:
+            weight = tl.load(slot_weights_ptr + tokens * TOPK + k, mask=held, other=0.0).to(tl.float32)
+            term = term * weight[:, None]
+        total += tl.where(held[:, None], term, 0.0)
+    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * D + cols[None, :], total.to(out_ptr.dtype.element_ty),
+             mask=in_tokens[:, None] & in_cols[None, :])
+
+
+@torch.library.custom_op("dsv3::sum_rows", mutates_args=())
+def sum_rows(rows: torch.Tensor, row_of_slot: torch.Tensor, slot_weights: torch.Tensor | None) -> torch.Tensor:
+    """rows [N, D] (N > 0), row_of_slot [T, K] (−1: no row), slot_weights [T, K] in the rows' dtype or None →
+    y [T, D] in the rows' dtype, y_t = Σ_k (slot_weights[t, k] ·) rows[row_of_slot[t, k]], summed in fp32."""
+    rows, row_of_slot = rows.contiguous(), row_of_slot.contiguous()
+    (n_tokens, topk), dim = row_of_slot.shape, rows.size(1)
+    out = torch.empty(n_tokens, dim, dtype=rows.dtype, device=rows.device)
+    if n_tokens:
+        weights = slot_weights.contiguous() if slot_weights is not None else row_of_slot  # not read unweighted
+        grid = (triton.cdiv(n_tokens, SUM_ROWS), triton.cdiv(dim, SUM_COLS))
+        _sum_rows_kernel[grid](rows, row_of_slot, weights, out, n_tokens, D=dim, TOPK=topk,
+                               WEIGHTED=slot_weights is not None, ROWS=SUM_ROWS, COLS=SUM_COLS, num_warps=WARPS)
+    return out
+
+
+@sum_rows.register_fake
+def _(rows: torch.Tensor, row_of_slot: torch.Tensor, slot_weights: torch.Tensor | None) -> torch.Tensor:
+    return rows.new_empty(row_of_slot.size(0), rows.size(1))

@@ -58,9 +58,9 @@ PHASES = [
     # tensorwise max(abs)
     ("fp8 quantize", ("fp8", "e4m3", "amax", "abs_max", "exp2_floor_log2")),
     ("communication", ("nccl", "all_gather", "reduce_scatter", "alltoall", "deep_ep", "simulated_link")),
-    # dsv3.token_copies_kernels' two kernels: _gather_rows_kernel, _combine_rows_backward_kernel
+    # dsv3.token_copies_kernels': _gather_rows_kernel, _combine_rows_backward_kernel, _sum_rows_kernel
     ("routing + permutation", ("sort", "topk", "radix", "scatter", "gather", "index", "cumsum", "bmm",
-                               "combine_rows")),
+                               "combine_rows", "sum_rows")),
     # inductor names a kernel from its sorted aten ops: a cast is x·scale clamped to e4m3 (..._to_copy_abs_clamp_max_
     # mul... for tensorwise, maybe fused into the norm or SwiGLU that made x), _scaled_mm takes 1/scale; after routing,
     # whose combine also clamps

@@ -142,6 +142,7 @@ def test_expert_rows_vs_mean_spans_every_layer_and_step_and_is_none_without_moe_
     ("_fp8_group_cols_kernel", "fp8 quantize"),
     ("_gather_rows_kernel", "routing + permutation"),  # EP's received tokens (dsv3.token_copies_kernels)
     ("_combine_rows_backward_kernel", "routing + permutation"),
+    ("_sum_rows_kernel", "routing + permutation"),
     ("triton_red_fused__to_copy_arange_eq_exp_logsumexp_mul_sub_unsqueeze_0", "loss"),
     ("triton_poi_fused_cat_mul_silu_silu_backward_split_5", "other"),
 ])
