@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -92,6 +92,14 @@ def host_splits(copying: torch.Tensor, after: list[torch.Tensor]) -> list[int]:
     return sizes
 
 
+class SplitSizesStarted(NamedTuple):
+    """What `AllToAllDispatcher.start` begun: the split sizes on their way to the host, and the send order."""
+    copying: torch.Tensor  # the split sizes' pinned host buffer, still filling (`host_splits` waits for it)
+    order: torch.Tensor  # the pairs (token, rank) in the order sent
+    after_copy: torch.Tensor  # a zero made after the copy's start: work that adds it is queued behind the copy
+    after: list[torch.Tensor]  # outputs the host's wait takes, so that their work is queued first (`run_during_copy`)
+
+
 class AllToAllDispatcher:
     """Expert parallelism over `group`, rank r holding experts [r·E_local, (r+1)·E_local), the way DeepEP exchanges:
     each token sent once to each rank that holds one of its experts, with its top-k as that rank's local expert ids
@@ -107,8 +115,8 @@ class AllToAllDispatcher:
         self.n_local = n_experts // self.ep
         self.align = align
 
-    def start(self, topk_idx: torch.Tensor, tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exchange the counts and start their copy to the host: (its pinned buffer, the order of the pairs sent)."""
+    def start(self, topk_idx: torch.Tensor, tokens_per_expert: torch.Tensor) -> SplitSizesStarted:
+        """Exchange the counts, start their copy to the host and compute the order of the pairs sent."""
         ep, n_local, device = self.ep, self.n_local, topk_idx.device
         in_rank = torch.zeros(topk_idx.size(0), ep, dtype=torch.bool, device=device)
         in_rank.scatter_(1, topk_idx // n_local, True)  # [T, ep]: token t has an expert on rank s
@@ -124,22 +132,21 @@ class AllToAllDispatcher:
         received = exchange(counts.flatten(), even, even, self.group).view(ep, n_local + 1)
         sizes = torch.cat([counts[:, n_local], received[:, n_local], received[:, :n_local].sum()[None]])
         copying, after_copy = torch.ops.dsv3.start_copy_to_host(sizes)
-        return copying, order, after_copy, []
+        return SplitSizesStarted(copying, order, after_copy, [])
 
     def run_during_copy(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-                        started: tuple) -> tuple[torch.Tensor, tuple]:
+                        started: SplitSizesStarted) -> tuple[torch.Tensor, SplitSizesStarted]:
         """fn(x), queued on the GPU between the split sizes' copy to the host and the host's wait for them, however
         the compiler orders the block: its input waits for the copy's start (+ 0), the host's wait for its output.
         So the GPU computes while the host waits, and while the woken host launches the dispatch's small kernels."""
-        copying, order, after_copy, _ = started
-        y = fn(x + after_copy.to(x.dtype))
-        return y, (copying, order, after_copy, [y])
+        y = fn(x + started.after_copy.to(x.dtype))
+        return y, started._replace(after=[*started.after, y])
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 started: tuple) -> tuple[TokenCopies, torch.Tensor, Any]:
+                 started: SplitSizesStarted) -> tuple[TokenCopies, torch.Tensor, Any]:
         (n_tokens, topk), ep, n_local, device = topk_idx.shape, self.ep, self.n_local, x.device
-        copying, order, _, after = started
-        splits = host_splits(copying, [order, *after])  # the send order computed before the wait, too
+        order = started.order
+        splits = host_splits(started.copying, [order, *started.after])  # the send order computed before the wait
         sent, got, n_rows = splits[:ep], splits[ep:2 * ep], splits[2 * ep] + 1  # + the zero row's
         n_sent = sum(sent)
         torch._check(sent[self.rank] >= 1)  # the zero row: for the compiler, no row count is 0
