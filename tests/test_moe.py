@@ -513,8 +513,8 @@ def test_received_token_copies_kernels_match_the_torch_ops(compiled):
 
     def run(dtype, received, compiled):
         fn = torch.compile(copies_and_sums, fullgraph=True) if compiled else copies_and_sums
-        leaves = x.to(dtype, copy=True).requires_grad_(), weights.to(torch.float32 if dtype != torch.float64 else dtype, copy=True)
-        leaves[1].requires_grad_()
+        weights_dtype = torch.float32 if dtype != torch.float64 else dtype
+        leaves = x.to(dtype, copy=True).requires_grad_(), weights.to(weights_dtype, copy=True).requires_grad_()
         rows, y, z = fn(*leaves, received)
         (rows.sum() + (y * probe_y.to(dtype)).sum() + (z * probe_z.to(dtype)).sum()).backward()
         return rows, y, z, leaves[0].grad, leaves[1].grad
