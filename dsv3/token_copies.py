@@ -125,8 +125,8 @@ class TokenCopies(NamedTuple):
     order: torch.Tensor  # [N] the slot each row holds, −1 for a padding row
     topk: int  # K
     weights: torch.Tensor | None = None  # [T, K] the gate weight of each slot (junk where no row holds the slot)
-    received: bool = False  # source is what an expert-parallel exchange received: on CUDA the gather and the
-    # combine's backward run as hand-written kernels (dsv3.token_copies_kernels says why)
+    received: bool = False  # source is what an expert-parallel exchange received: on CUDA the gather, the sums and
+    # the combine's backward run as hand-written kernels (dsv3.token_copies_kernels says why)
 
     def gather(self) -> torch.Tensor:
         return gather_token_copies(self.source, self.order, self.topk, self.received)
