@@ -8,7 +8,8 @@ small default size (docs/performance.md#the-routed-experts-token-copies):
                             ∂rows[n] = g_slot · ∂y_t and ∂g_slot = ⟨∂y_t, rows[n]⟩ (fp32), t = slot // K,
                             one pass that reads ∂y_t and the row once for both
     sum_rows                y_t = Σ_k (g_t,k ·) rows[row_of_slot[t, k]] in fp32, slots without a row adding nothing:
-                            the experts' weighted sum of a token's rows, and the gather's backward (unweighted)
+                            the experts' weighted sum of a token's rows; unweighted, the gather's backward and
+                            the combine's sum over ranks
 
 Imported only on CUDA: it needs triton.
 """
